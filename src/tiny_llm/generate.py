@@ -1,0 +1,42 @@
+"""Single-request generation over a dense KV cache: the model the course starts from.
+
+One request, one ``DenseKVCache``: the first forward runs the whole prompt, every later
+forward runs the one token just sampled. It shares ``Request`` (stop rules, streaming
+text) and the sampler with the engine, so "a request served alone" means the same thing
+here and in the engine's tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from tiny_llm.kv_cache import DenseKVCache
+from tiny_llm.model import Model
+from tiny_llm.request import Request, RequestOutput
+from tiny_llm.sampling import SamplingParams, sample_next_tokens
+from tiny_llm.tokenizer import Tokenizer
+
+
+# ANCHOR: stream_generate
+def stream_generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int | None = None,
+) -> Iterator[RequestOutput]:
+    max_model_len = max_model_len or model.config.max_position_embeddings
+    req = Request(
+        prompt_token_ids, params, tokenizer.detokenizer(), tokenizer.eos_token_ids, max_model_len
+    )
+    cache = DenseKVCache(model.config.num_hidden_layers)
+    while not req.is_finished:
+        start, end = req.num_computed_tokens, req.num_tokens
+        tokens = mx.array(req.token_ids_between(start, end), dtype=mx.int32)
+        logits = model(tokens, mx.arange(start, end), cache, mx.array([end - start - 1]))
+        req.num_computed_tokens = end
+        token = sample_next_tokens(logits, [req.sampler])[0]
+        yield req.output([token], req.append_token(token))
+# ANCHOR_END: stream_generate

