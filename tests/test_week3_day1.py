@@ -1,0 +1,244 @@
+"""Day 1: continuous batching.
+
+The oracle is "a request served alone": ``stream_generate`` runs one request over a dense
+cache with no engine at all. Every request served inside a changing batch must produce
+exactly the same greedy tokens (float32).
+"""
+
+import copy
+import random
+
+import pytest
+
+from tiny_llm.day1_batching import (
+    ContinuousBatchingScheduler,
+    continuous_batching_steps,
+    static_batching_steps,
+)
+from tiny_llm.engine import LLMEngine
+from tiny_llm.generate import stream_generate
+from tiny_llm.sampling import SamplingParams
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def alone(model, tokenizer, prompt_ids, params) -> tuple[list[int], str]:
+    outs = list(stream_generate(model, tokenizer, prompt_ids, params))
+    return outs[-1].outputs[0].token_ids, outs[-1].outputs[0].text
+
+
+def random_prompts(n: int, seed: int, lo: int = 2, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_staggered(engine: LLMEngine, prompts, params, arrivals) -> dict[str, list[int]]:
+    """Add request i at step arrivals[i]; run to completion; return tokens per request."""
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    ids: dict[int, str] = {}
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            ids[i] = engine.add_request({"prompt_token_ids": prompts[i]}, params[i])
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    return {i: tokens[rid] for i, rid in ids.items()}
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokenizer, policy):
+    prompts = random_prompts(13, seed=1)
+    rng = random.Random(2)
+    params = [greedy(rng.randint(3, 14)) for _ in prompts]
+    arrivals = [rng.randint(0, 12) for _ in prompts]
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy)
+    got = run_staggered(engine, prompts, params, arrivals)
+    for i, prompt in enumerate(prompts):
+        expected, _ = alone(tiny_model, smollm_tokenizer, prompt, params[i])
+        assert got[i] == expected, f"request {i} (prompt {len(prompt)} tokens) diverged"
+    assert engine.stats()["num_steps"] > 0
+
+
+def test_more_requests_than_slots_all_complete_and_slots_are_reused(
+    tiny_model, smollm_tokenizer
+):
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3)
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(4)) for p in random_prompts(10, 3)]
+    finished, slots_used, max_live = set(), set(), 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished.add(out.request_id)
+        max_live = max(max_live, len(engine.scheduler.running))
+        slots_used |= set(engine.kv.slot_of.values())
+    assert finished == set(ids)
+    assert max_live == 3
+    assert slots_used == {0, 1, 2}  # ten requests went through the same three slots
+    assert sorted(engine.kv.free_slots) == [0, 1, 2]
+
+
+def test_stop_string_across_token_boundary_is_excluded(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 4)[0]
+    tokens, text = alone(tiny_model, smollm_tokenizer, prompt, greedy(24))
+    pieces = [smollm_tokenizer.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    # A stop string made of the last char of token k and the first char of token k+1.
+    k = next(
+        i for i in range(3, len(tokens) - 1)
+        if len(pieces[i]) > len(pieces[i - 1]) and len(pieces[i + 1]) > len(pieces[i])
+    )
+    stop = pieces[k][-1] + pieces[k + 1][len(pieces[k])]
+    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    other = engine.add_request({"prompt_token_ids": random_prompts(1, 5)[0]}, greedy(30))
+    out = engine.generate({"prompt_token_ids": prompt}, greedy(24, stop=[stop]))[0]
+    cut = text.find(stop)
+    assert out.finish_reason == "stop"
+    assert out.outputs[0].text == text[:cut]
+    assert stop not in out.outputs[0].text
+    assert engine.requests[other].output_token_ids  # the other request kept going
+
+
+def test_streamed_text_concatenates_to_final_text(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 6)[0]
+    _, text = alone(tiny_model, smollm_tokenizer, prompt, greedy(20))
+    stop = text[7:10]
+    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    outs = list(engine.stream({"prompt_token_ids": prompt}, greedy(20, stop=[stop])))
+    assert "".join(o.text_delta for o in outs) == outs[-1].outputs[0].text == text[: text.find(stop)]
+
+
+def test_stop_token_ids_eos_and_ignore_eos(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 7)[0]
+    tokens, _ = alone(tiny_model, smollm_tokenizer, prompt, greedy(12))
+    target = tokens[5]
+    first = tokens.index(target)
+    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    out = engine.generate({"prompt_token_ids": prompt}, greedy(12, stop_token_ids=[target]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].token_ids == tokens[: first + 1]
+
+    tokenizer = copy.copy(smollm_tokenizer)
+    tokenizer.eos_token_ids = {target}
+    engine = LLMEngine(tiny_model, tokenizer)
+    eos = SamplingParams(temperature=0.0, max_tokens=12)
+    out = engine.generate({"prompt_token_ids": prompt}, eos)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].token_ids == tokens[: first + 1]
+    out = engine.generate({"prompt_token_ids": prompt}, greedy(12))[0]  # ignore_eos=True
+    assert out.finish_reason == "length" and out.outputs[0].token_ids == tokens
+
+
+def test_max_tokens_and_max_model_len(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 8, lo=10, hi=10)[0]
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=16)
+    by_tokens, by_len = engine.generate(
+        [{"prompt_token_ids": prompt[:5]}, {"prompt_token_ids": prompt}], greedy(9)
+    )
+    assert by_tokens.finish_reason == "length" and len(by_tokens.outputs[0].token_ids) == 9
+    assert by_len.finish_reason == "length"
+    assert len(prompt) + len(by_len.outputs[0].token_ids) == 16
+
+
+def test_abort_mid_flight_frees_resources_and_spares_others(tiny_model, smollm_tokenizer):
+    prompts = random_prompts(3, 9)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3)
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(10)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[1])
+    assert len(engine.kv.free_slots) == 1
+    results = {}
+    while engine.has_unfinished_requests() or not results:
+        for out in engine.step():
+            results[out.request_id] = out
+    assert results[ids[1]].finish_reason == "abort"
+    for i in (0, 2):
+        assert results[ids[i]].outputs[0].token_ids == alone(
+            tiny_model, smollm_tokenizer, prompts[i], greedy(10)
+        )[0]
+    with pytest.raises(ValueError, match="unknown request id"):
+        engine.abort("no-such-request")
+    with pytest.raises(ValueError, match="unknown request id"):
+        engine.abort(ids[0])  # already finished
+
+
+def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 10)[0]
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=64)
+    good = engine.add_request({"prompt_token_ids": prompt}, greedy(8), request_id="good")
+    engine.step()
+    vocab = tiny_model.config.vocab_size
+    cases = [
+        (ValueError, "empty", lambda: engine.add_request("")),
+        (ValueError, "empty", lambda: engine.add_request({"prompt_token_ids": []})),
+        (ValueError, "max_model_len", lambda: engine.add_request({"prompt_token_ids": [5] * 64})),
+        (ValueError, "vocabulary", lambda: engine.add_request({"prompt_token_ids": [1, vocab]})),
+        (ValueError, "vocabulary", lambda: engine.add_request({"prompt_token_ids": [-1, 2]})),
+        (ValueError, "already in use", lambda: engine.add_request("hi", request_id="good")),
+        (TypeError, "SamplingParams", lambda: engine.add_request("hi", {"temperature": 0})),
+        (TypeError, "prompt", lambda: engine.add_request(3.5)),
+        (ValueError, "top_p", lambda: engine.add_request("hi", SamplingParams(top_p=1.5))),
+        (ValueError, "max_tokens", lambda: SamplingParams(max_tokens=-1)),
+        (ValueError, "temperature", lambda: SamplingParams(temperature=float("nan"))),
+        (TypeError, "unknown engine option", lambda: LLMEngine(tiny_model, smollm_tokenizer, foo=1)),
+        (ValueError, "scheduler", lambda: LLMEngine(tiny_model, smollm_tokenizer, scheduler="x")),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert list(engine.requests) == ["good"]
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o for o in engine.step()})
+    expected, _ = alone(tiny_model, smollm_tokenizer, prompt, greedy(8))
+    assert results[good].outputs[0].token_ids == expected
+
+
+def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):
+    prompt = random_prompts(1, 11)[0]
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    expected, _ = alone(tiny_model, smollm_tokenizer, prompt, seeded)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4)
+    others = [
+        SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.5, top_k=20, max_tokens=15, ignore_eos=True),
+        greedy(5),
+    ]
+    prompts = [prompt] + random_prompts(3, 12)
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], [seeded] + others)
+    assert outs[0].outputs[0].token_ids == expected
+    unseeded = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    assert len(engine.generate({"prompt_token_ids": prompt}, unseeded)[0].outputs[0].token_ids) == 12
+
+
+def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tokenizer):
+    # One long request among short ones, four slots, all arriving at once.
+    lens = [30, 3, 3, 3, 3, 3, 3, 3]
+    static, continuous = static_batching_steps(lens, 4), continuous_batching_steps(lens, 4)
+    # static: batch [30,3,3,3] takes 30 steps, batch [3,3,3,3] 3 more.
+    assert static.steps == 33 and static.wasted_slot_steps == 33 * 4 - sum(lens)
+    # continuous: the long request holds one slot for 30 steps; three slots serve the
+    # seven short requests (3 rounds of 3 steps) meanwhile.
+    assert continuous.steps == 30 and continuous.wasted_slot_steps == 30 * 4 - sum(lens)
+    assert continuous.wasted_slot_steps < static.wasted_slot_steps
+
+    for policy, stats in (("static", static), ("continuous", continuous)):
+        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy)
+        engine.generate([{"prompt_token_ids": [100 + i]} for i in range(8)],
+                        [greedy(n) for n in lens], use_tqdm=False)
+        assert engine.stats()["num_steps"] == stats.steps
+
+
+def test_model_free_scheduler_admits_and_retires_in_flight():
+    sim = ContinuousBatchingScheduler(max_batch=2)
+    a, b, c = sim.add_request(4, 2), sim.add_request(1, 5), sim.add_request(2, 1)
+    first = sim.step()
+    assert first.scheduled == [(a.request_id, 4), (b.request_id, 1)]  # c waits for a slot
+    second = sim.step()
+    assert a.request_id in second.finished  # a finished after 2 tokens ...
+    third = sim.step()
+    assert (c.request_id, 2) in third.scheduled  # ... and c took its slot at once
+    assert all(r.num_running <= 2 for r in [first, second, third, *sim.run()])
