@@ -109,7 +109,8 @@ def test_streamed_text_concatenates_to_final_text(tiny_model, smollm_tokenizer):
     stop = text[7:10]
     engine = LLMEngine(tiny_model, smollm_tokenizer)
     outs = list(engine.stream({"prompt_token_ids": prompt}, greedy(20, stop=[stop])))
-    assert "".join(o.text_delta for o in outs) == outs[-1].outputs[0].text == text[: text.find(stop)]
+    final = outs[-1].outputs[0].text
+    assert "".join(o.text_delta for o in outs) == final == text[: text.find(stop)]
 
 
 def test_stop_token_ids_eos_and_ignore_eos(tiny_model, smollm_tokenizer):
@@ -183,7 +184,7 @@ def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, sm
         (ValueError, "top_p", lambda: engine.add_request("hi", SamplingParams(top_p=1.5))),
         (ValueError, "max_tokens", lambda: SamplingParams(max_tokens=-1)),
         (ValueError, "temperature", lambda: SamplingParams(temperature=float("nan"))),
-        (TypeError, "unknown engine option", lambda: LLMEngine(tiny_model, smollm_tokenizer, foo=1)),
+        (TypeError, "unknown engine option", lambda: LLMEngine(tiny_model, smollm_tokenizer, x=1)),
         (ValueError, "scheduler", lambda: LLMEngine(tiny_model, smollm_tokenizer, scheduler="x")),
     ]
     for error, message, call in cases:
@@ -211,7 +212,8 @@ def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):
     outs = engine.generate([{"prompt_token_ids": p} for p in prompts], [seeded] + others)
     assert outs[0].outputs[0].token_ids == expected
     unseeded = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
-    assert len(engine.generate({"prompt_token_ids": prompt}, unseeded)[0].outputs[0].token_ids) == 12
+    out = engine.generate({"prompt_token_ids": prompt}, unseeded)[0]
+    assert len(out.outputs[0].token_ids) == 12
 
 
 def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tokenizer):
