@@ -38,6 +38,7 @@ chat: setup
 	$(VENV)/bin/tiny-llm chat
 
 test: setup
+	$(VENV)/bin/ruff check src tests benches tools
 	$(PY) -m pytest tests
 	$(VENV)/bin/mdbook build book
 

@@ -6,13 +6,13 @@ with the real SmolLM2 tokenizer read from the installed GGUF file, so stop strin
 streaming text behave as they do with a real model.
 """
 
-import mlx.core as mx  # noqa: E402
-import pytest  # noqa: E402
-from mlx.utils import tree_flatten, tree_map  # noqa: E402
-
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
-from tiny_llm.model import Model, ModelConfig  # noqa: E402
-from tiny_llm.tokenizer import Tokenizer  # noqa: E402
+from tiny_llm.model import Model, ModelConfig
+from tiny_llm.tokenizer import Tokenizer
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_map
 
 TINY = dict(
     hidden_size=64,

@@ -8,8 +8,6 @@ exactly the same greedy tokens (float32).
 import copy
 import random
 
-import pytest
-
 from tiny_llm.day1_batching import (
     ContinuousBatchingScheduler,
     continuous_batching_steps,
@@ -18,6 +16,8 @@ from tiny_llm.day1_batching import (
 from tiny_llm.engine import LLMEngine
 from tiny_llm.generate import stream_generate
 from tiny_llm.sampling import SamplingParams
+
+import pytest
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

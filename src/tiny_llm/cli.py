@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("chat", "multi-turn chat"), ("generate", "complete one prompt")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--model", default=None, help="HF folder, hub id or .gguf (default: SmolLM2)")
+        p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file")
         p.add_argument("--temperature", type=float, default=0.7 if name == "chat" else 0.0)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--max-tokens", type=int, default=512 if name == "chat" else 128)

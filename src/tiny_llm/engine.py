@@ -23,14 +23,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-import mlx.core as mx
-
 from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
 from tiny_llm.tokenizer import Tokenizer
+
+import mlx.core as mx
 
 KV_CACHES = ("dense",)
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import mlx.core as mx
-
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
 from tiny_llm.tokenizer import Tokenizer
+
+import mlx.core as mx
 
 
 # ANCHOR: stream_generate

