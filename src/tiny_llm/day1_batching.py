@@ -37,20 +37,35 @@ POLICIES = ("continuous", "static")
 class KVSpace(Protocol):
     """Where a request's K/V lives; the scheduler asks it for room before scheduling."""
 
+    def begin(self, request) -> None:
+        """A waiting request is considered for admission (Day 3: reuse cached prefix pages
+        by advancing ``num_computed_tokens``)."""
+        ...
+
     def allocate(self, request, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``; False if full."""
         ...
 
     def free(self, request) -> None: ...
 
+    def commit(self, request) -> None:
+        """The step computed more of ``request``'s K/V (Day 3: cache the full pages)."""
+        ...
+
 
 class UnboundedKV:
     """No KV limit beyond the slot count (the dense per-request caches of Days 1-2)."""
+
+    def begin(self, request) -> None:
+        pass
 
     def allocate(self, request, num_new_tokens: int) -> bool:
         return True
 
     def free(self, request) -> None:
+        pass
+
+    def commit(self, request) -> None:
         pass
 
 
@@ -115,11 +130,12 @@ class Scheduler:
     def _admit(self, plan: dict, budget: TokenBudget) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            self.kv.begin(req)
             n = budget.take_prefill(req.num_uncomputed_tokens)
-            if n == 0:
-                return
-            if not self.kv.allocate(req, n):
+            if n == 0 or not self.kv.allocate(req, n):
                 budget.give_back(n)
+                self.kv.free(req)
+                req.num_computed_tokens = 0
                 return
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -151,6 +167,7 @@ class Scheduler:
     def finish_step(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(chunk.request)
 
     def retire(self, req) -> None:
         """Remove a finished (or aborted) request and free its slot and K/V at once."""
@@ -167,8 +184,12 @@ class Scheduler:
 class SimRequest:
     """A request for the model-free simulator: a prompt length and a planned output length."""
 
-    def __init__(self, request_id: int, prompt_len: int, output_len: int):
+    def __init__(
+        self, request_id: int, prompt_len: int, output_len: int, prompt_token_ids=None
+    ):
         self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids or [request_id] * prompt_len)
+        self.output_token_ids: list[int] = []
         self.num_prompt_tokens = prompt_len
         self.output_len = output_len
         self.num_tokens = prompt_len
@@ -181,6 +202,9 @@ class SimRequest:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
 
 @dataclass
@@ -211,8 +235,10 @@ class ContinuousBatchingScheduler:
         self.requests: list[SimRequest] = []
         self.num_steps = 0
 
-    def add_request(self, prompt_len: int, output_len: int) -> SimRequest:
-        req = SimRequest(len(self.requests), prompt_len, output_len)
+    def add_request(
+        self, prompt_len: int, output_len: int, prompt_token_ids: list[int] | None = None
+    ) -> SimRequest:
+        req = SimRequest(len(self.requests), prompt_len, output_len, prompt_token_ids)
         self.requests.append(req)
         self.scheduler.add(req)
         return req
@@ -228,6 +254,7 @@ class ContinuousBatchingScheduler:
                 continue  # a prefill chunk that did not reach the end samples nothing
             req.num_generated += 1
             req.num_tokens += 1
+            req.output_token_ids.append(-1 - req.request_id)  # a fake token per request
             if req.num_generated == req.output_len:
                 self.scheduler.retire(req)
                 req.finish_step = self.num_steps

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler
+from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
@@ -32,7 +33,7 @@ from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
 
-KV_CACHES = ("dense",)
+KV_CACHES = ("dense", "paged")
 
 Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 
@@ -45,7 +46,11 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default: the model's context length
     scheduler: str = "continuous"  # or "static", the Day 1 baseline
     enable_chunked_prefill: bool = True  # Day 2; off: a prompt is prefilled in one step
-    kv_cache: str = "dense"  # dense per-request caches (Days 1-2)
+    kv_cache: str = "dense"  # dense per-request caches (Days 1-2) or "paged" (Day 3)
+    page_size: int = 16  # tokens per KV page (paged)
+    kv_memory_bytes: float | None = None  # pool budget: bytes, or a fraction of RAM if <= 1
+    num_pages: int | None = None  # explicit pool size; overrides kv_memory_bytes
+    enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -66,6 +71,12 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {self.scheduler!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        for name in ("page_size", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_memory_bytes is not None and not self.kv_memory_bytes > 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -87,10 +98,16 @@ class DenseSlots:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.slot_of: dict[Request, int] = {}
 
+    def begin(self, request: Request) -> None:
+        pass
+
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         if request not in self.slot_of:
             self.slot_of[request] = self.free_slots.pop()
         return True
+
+    def commit(self, request: Request) -> None:
+        pass
 
     def free(self, request: Request) -> None:
         slot = self.slot_of.pop(request, None)
@@ -113,7 +130,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         cfg = self.config
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
-        self.kv = DenseSlots(cfg.max_num_seqs, model.config.num_hidden_layers)
+        self.kv = self._make_kv_space()
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
@@ -125,6 +142,17 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by step()
         self._ids = itertools.count()
         self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0, "num_generated_tokens": 0}
+
+    def _make_kv_space(self) -> DenseSlots | PagedKVSpace:
+        cfg, mcfg = self.config, self.model.config
+        if cfg.kv_cache == "dense":
+            return DenseSlots(cfg.max_num_seqs, mcfg.num_hidden_layers)
+        dtype = self.model.dtype
+        pages = pool_pages(mcfg, dtype, cfg.page_size, cfg.kv_memory_bytes, cfg.num_pages,
+                           self.max_model_len, cfg.max_num_seqs)
+        page_bytes = kv_bytes_per_token(mcfg, dtype) * cfg.page_size
+        log_pool(pages, cfg.page_size, page_bytes, self.max_model_len)
+        return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -145,6 +173,7 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        self._check_fits(len(token_ids), params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -194,6 +223,21 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
                 f"({budget}), and chunked prefill is off"
+            )
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A request whose longest possible sequence exceeds the whole KV pool could never
+        finish, even alone: reject it now instead of letting it wait forever."""
+        if not isinstance(self.kv, PagedKVSpace):
+            return
+        longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
+                      self.max_model_len)
+        pool_tokens = self.kv.blocks.num_blocks * self.kv.page_size
+        if longest > pool_tokens:
+            raise ValueError(
+                f"the request may need {longest} tokens of KV cache (prompt "
+                f"{num_prompt_tokens} + max_tokens) but the whole pool holds {pool_tokens}; "
+                "lower max_tokens or raise kv_memory_bytes/num_pages"
             )
 
     def abort(self, request_id: str) -> None:
@@ -263,6 +307,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_bytes": self.kv.nbytes(),
+            **(self.kv.stats() if isinstance(self.kv, PagedKVSpace) else {}),
         }
 
     def generate(
