@@ -90,6 +90,7 @@ class EngineConfig:
         return cls(**options)
 
 
+# ANCHOR: dense_slots
 class DenseSlots:
     """Days 1-2 KV storage: ``max_num_seqs`` dense caches, one per slot, reused in turn."""
 
@@ -120,6 +121,7 @@ class DenseSlots:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches)
+# ANCHOR_END: dense_slots
 
 
 # ANCHOR: engine
@@ -329,9 +331,10 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
+        wanted = set(ids)
         while len(final) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
                     bar.update(1) if bar else None
         if bar:

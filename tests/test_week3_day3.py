@@ -1,0 +1,226 @@
+"""Day 3: paged KV cache — block math, bookkeeping invariants, and the paged engine
+against the dense engine of Days 1-2 (the oracle)."""
+
+import logging
+import random
+
+from tiny_llm.day1_batching import ContinuousBatchingScheduler
+from tiny_llm.day3_paged_kv import BlockManager, blocks_needed, kv_cache_blocks_fragmentation
+from tiny_llm.engine import LLMEngine
+from tiny_llm.sampling import SamplingParams
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_block_math():
+    assert blocks_needed(8, 4) == 2
+    assert [blocks_needed(n, 4) for n in (0, 1, 3, 4, 5, 9)] == [0, 1, 1, 1, 2, 3]
+    frag = kv_cache_blocks_fragmentation([5, 16, 17], block_size=16, max_len=64)
+    assert (frag.paged_total_slots, frag.paged_wasted_slots) == (16 + 16 + 32, 64 - 38)
+    assert (frag.dense_total_slots, frag.dense_wasted_slots) == (3 * 64, 3 * 64 - 38)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_append_allocates_a_page_only_when_the_tail_is_full(block_size):
+    bm = BlockManager(num_blocks=64, block_size=block_size)
+    bm.allocate("s", 1)
+    for n in range(2, 3 * block_size + 2):
+        free_before = bm.num_free_blocks
+        table = bm.append("s")
+        grew = free_before - bm.num_free_blocks
+        assert grew == (1 if (n - 1) % block_size == 0 else 0), f"token {n}"
+        assert len(table) == blocks_needed(n, block_size)
+    bm.free("s")
+    assert bm.num_free_blocks == 64
+
+
+def test_out_of_memory_returns_none_and_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    assert bm.allocate("a", 8) is not None and bm.num_free_blocks == 1
+    assert bm.allocate("b", 5) is None and "b" not in bm.tables and bm.num_free_blocks == 1
+    assert bm.append("a") is not None  # 9th token takes the last page
+    assert bm.append("a") is not None  # 10th fits in the tail page
+    assert bm.grow("a", 3) is None and bm.lengths["a"] == 10  # 13 tokens would need a 4th
+    assert not bm.can_allocate(1)
+    bm.check_invariants()
+
+
+def test_prefix_pages_are_shared_and_survive_other_holders():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))  # two full pages + 2 tokens
+    bm.allocate("a", 10)
+    assert bm.cache_full_blocks("a", prompt, 0) == 2
+    hits = bm.match_prefix(prompt + [99])
+    assert hits == bm.tables["a"][:2]
+    bm.attach_prefix("b", hits)
+    assert [bm.blocks[i].ref_count for i in hits] == [2, 2]
+    bm.free("a")  # "a" aborts; "b" still holds the shared pages
+    assert [bm.blocks[i].ref_count for i in hits] == [1, 1]
+    bm.check_invariants()
+    bm.free("b")
+    # Freed pages keep their identity: the prompt still hits, until the pool needs them.
+    assert bm.match_prefix(prompt) == hits
+    # A full-prompt hit leaves the last token to recompute: 8 tokens = 2 pages -> 1 hit.
+    assert len(bm.match_prefix(prompt[:8])) == 1
+    bm.allocate("c", 8 * 4)  # needs every page: the cached ones are evicted (LRU)
+    assert bm.match_prefix(prompt) == [] and not bm.cached
+    bm.check_invariants()
+
+
+def test_hash_collision_cannot_alias_a_prefix():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    bm.allocate("a", 2)
+    bm.cache_full_blocks("a", [1, 2], 0)
+    page = bm.tables["a"][0]
+    assert len(bm.cached) == 1
+    bm.blocks[page].token_ids = (7, 7)  # as if another prefix had produced the same hash
+    assert bm.match_prefix([1, 2, 3]) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 6),  # arrival step
+            st.integers(1, 40),  # prompt length
+            st.integers(1, 12),  # output length
+            st.integers(0, 2),  # which shared prefix
+            st.booleans(),  # abort it later?
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(6, 24),  # pages in the pool
+    st.sampled_from([2, 4, 8]),  # page size
+    st.booleans(),  # prefix caching
+)
+def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size, caching):
+    bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching)
+    sim = ContinuousBatchingScheduler(max_batch=4, block_manager=bm, max_num_batched_tokens=32)
+    prefixes = [[1000 + p * 100 + i for i in range(24)] for p in range(3)]
+    pending = sorted(jobs)
+    added = []
+    step = 0
+    while pending or sim.scheduler.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt_len, out_len, prefix, abort = pending.pop(0)
+            tokens = (prefixes[prefix] + list(range(len(added) * 100, len(added) * 100 + 40)))
+            tokens = tokens[:prompt_len]
+            if blocks_needed(prompt_len + out_len, page_size) > num_pages:
+                continue  # the engine rejects what could never fit; so does this driver
+            added.append((sim.add_request(prompt_len, out_len, tokens), abort))
+        sim.step()
+        step += 1
+        for req, abort in added:
+            if abort and req.num_generated == 1 and req in sim.scheduler.running:
+                sim.scheduler.retire(req)
+        bm.check_invariants()
+        held = {p for t in bm.tables.values() for p in t}
+        assert len(held) + bm.num_free_blocks == num_pages
+        assert len(sim.scheduler.running) <= 4
+        assert step < 2000, "no progress: livelock"
+    assert bm.num_free_blocks == num_pages and not bm.tables  # nothing leaked
+    for req, abort in added:
+        assert abort or req.num_generated == req.output_len
+
+
+def workload(n: int, seed: int, shared_prefix: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 40000) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 40))]
+               for _ in range(n)]
+    params = [greedy(rng.randint(2, 16)) for _ in range(n)]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def tokens_of(engine, prompts, params):
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
+    prompts, params = workload(10, seed=1)
+    dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4)
+    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="paged",
+                      page_size=4, num_pages=256, max_num_batched_tokens=32)
+    assert tokens_of(paged, prompts, params) == tokens_of(dense, prompts, params)
+    assert paged.stats()["num_preemptions"] == 0
+    paged.kv.blocks.check_invariants()
+    assert paged.stats()["num_free_pages"] == 256
+
+
+def test_small_pool_preempts_and_still_matches_dense(tiny_model, smollm_tokenizer):
+    prompts, params = workload(10, seed=2)
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4), prompts, params)
+    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="paged",
+                      page_size=4, num_pages=18, max_model_len=72, enable_prefix_caching=False)
+    assert tokens_of(paged, prompts, params) == expected
+    stats = paged.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_pages"] == 18
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokenizer, page_size):
+    prompts, params = workload(8, seed=3, shared_prefix=37)
+    results, stats = [], []
+    for caching in (False, True):
+        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2, kv_cache="paged",
+                           page_size=page_size, num_pages=128, enable_prefix_caching=caching)
+        results.append(tokens_of(engine, prompts, params))
+        stats.append(engine.stats())
+    dense = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2), prompts, params)
+    assert results[0] == results[1] == dense
+    assert stats[0]["prefix_cache_hit_tokens"] == 0
+    assert stats[1]["prefix_cache_hit_tokens"] >= 6 * (37 // page_size) * page_size
+    assert stats[1]["num_prompt_tokens_computed"] < stats[0]["num_prompt_tokens_computed"]
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model, smollm_tokenizer):
+    engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", page_size=4, num_pages=8,
+                       max_model_len=64)
+    running = engine.add_request({"prompt_token_ids": [5, 6, 7]}, greedy(4))
+    with pytest.raises(ValueError, match="whole pool holds 32"):
+        engine.add_request({"prompt_token_ids": list(range(100, 120))}, greedy(20))
+    with pytest.raises(ValueError, match="whole pool"):
+        engine.add_request({"prompt_token_ids": [5]}, SamplingParams(max_tokens=None))
+    outs = engine.generate({"prompt_token_ids": list(range(100, 120))}, greedy(12))
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert running not in engine.requests  # finished alongside
+
+
+def test_abort_of_a_prefix_sharer_leaves_the_other_intact(tiny_model, smollm_tokenizer):
+    prefix = list(range(300, 340))
+    a, b = {"prompt_token_ids": prefix + [1, 2]}, {"prompt_token_ids": prefix + [3]}
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer), [b], [greedy(10)])[0]
+    engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", page_size=8, num_pages=64)
+    ida = engine.add_request(a, greedy(30))
+    engine.step()  # a's prompt pages are computed and cached
+    idb = engine.add_request(b, greedy(10))
+    engine.step()
+    shared = engine.kv.blocks.tables[engine.requests[idb]][:5]
+    assert shared == engine.kv.blocks.tables[engine.requests[ida]][:5]
+    engine.abort(ida)
+    assert all(engine.kv.blocks.blocks[p].ref_count == 1 for p in shared)
+    result = {}
+    while engine.has_unfinished_requests():
+        result.update({o.request_id: o for o in engine.step()})
+    assert result[idb].outputs[0].token_ids == expected
+    assert engine.stats()["prefix_cache_hit_tokens"] == 40
+
+
+def test_pool_is_sized_from_the_memory_budget_and_logged(tiny_model, smollm_tokenizer, caplog):
+    cfg = tiny_model.config
+    page_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 16
+    with caplog.at_level(logging.INFO, logger="tiny_llm"):
+        engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged",
+                           kv_memory_bytes=100 * page_bytes + 5, max_model_len=400)
+    assert engine.stats()["num_pages"] == 100
+    assert "100 pages x 16 tokens" in caplog.text and "4.00x" in caplog.text
+    with pytest.raises(ValueError, match="holds no page"):
+        LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", kv_memory_bytes=10)
