@@ -1,0 +1,292 @@
+"""Token sampling: per-request parameters, logit filters and batch-invariant seeded draws.
+
+What happens to one row of logits:
+
+1. The row is read as float32 (exact for float16/bfloat16 logits).
+2. ``temperature == 0`` is greedy: argmax, lowest token id on ties. All greedy rows of a batch
+   share one vectorised MLX argmax and consume no randomness.
+3. Otherwise the row is divided by the temperature (still float32: the "scaled logits") and
+   filtered in vLLM's order: top-k (keep the k highest), then top-p on the renormalised
+   probabilities of the top-k survivors (keep the shortest rank prefix whose mass reaches
+   top_p), then min-p (keep tokens whose probability is at least ``min_p`` times the top
+   token's; a ratio, so renormalisation does not matter to it).
+4. One uniform draw from the request's own ``np.random.Generator`` picks a token by inverse CDF
+   over the kept tokens, walked in ascending token-id order.
+
+Invariants:
+
+* Rank order is (scaled logit descending, token id ascending). Every filter keeps a prefix of
+  it, so a tie at any boundary goes to the lower token id, and the top token is always kept.
+* Top-p and min-p boundaries allow a slack of ``_SLACK`` (1e-6) so that a boundary that is exact
+  in real arithmetic stays inclusive despite float32 rounding: top_p=0.75 over probabilities
+  (0.5, 0.25, 0.25) keeps two tokens, min_p=0.5 keeps a token at exactly half the top
+  probability. Exponentials are float32 (relative error ~1e-7, below the slack); every sum,
+  cumulative sum and comparison with a threshold is float64.
+* A row's token depends only on its logits, its params and its generator, which advances
+  exactly once per sampled step. So a seeded request draws the same tokens whatever else is in
+  the batch; unseeded requests get independent generators spawned from one process-level
+  ``SeedSequence`` (OS entropy).
+
+Why numpy rather than MLX for sampled rows: per-request generators make seeded draws exact and
+independent of batch composition, float64 sums keep tail probabilities that float32 would round
+away, and the filters need data-dependent, per-row work. To keep a row's cost O(V) plus a small
+sort, the filters read only candidates: the narrowest window of ``_WINDOWS`` (all tokens within
+2, 4, ... 16 nats of the top logit, each found with one comparison) that holds the top-k set or
+else top_p of the probability mass, or the whole row if none does; with top-k, narrowed to the
+top-k set by ``np.partition``. Every candidate set is all tokens at or above some value, hence a
+prefix of the rank order that contains every token the filters can keep, so sorting just its
+values gives the same result as sorting the vocabulary. Min-p alone needs no sort at all.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+_SLACK = 1e-6
+_WINDOWS = (2.0, 4.0, 6.0, 8.0, 11.0, 16.0)  # candidate windows, in nats below the top logit
+_MASS_GUARD = 1e-9  # a window's mass must beat top_p by this, far above float64 rounding
+_ENTROPY = np.random.SeedSequence()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _invalid(field: str, requirement: str, value: object) -> ValueError:
+    return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
+
+
+def _real(field: str, value: object, ok: Callable[[float], bool], requirement: str) -> float:
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not is_real or not math.isfinite(value) or not ok(float(value)):
+        raise _invalid(field, requirement, value)
+    return float(value)
+
+
+def _optional_int(field: str, value: object, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise _invalid(field, f"None or an int >= {minimum}", value)
+    return int(value)
+
+
+def _stop_strings(value: object) -> list[str]:
+    items = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise _invalid("stop", "None, a non-empty string or a list of non-empty strings", value)
+    return list(items)
+
+
+def _stop_ids(value: object) -> list[int]:
+    items = [] if value is None else value
+    if not isinstance(items, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in items):
+        raise _invalid("stop_token_ids", "None or a list of ints >= 0", value)
+    return [int(t) for t in items]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; ``__post_init__`` validates and normalises them."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = _real(
+            "temperature", self.temperature, lambda v: v >= 0.0, "a finite number >= 0"
+        )
+        self.top_p = _real("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+        self.min_p = _real("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _invalid("top_k", "-1 or 0 (disabled) or an int >= 1", self.top_k)
+        self.top_k = int(self.top_k)
+        self.max_tokens = _optional_int("max_tokens", self.max_tokens, 1)
+        self.seed = _optional_int("seed", self.seed, 0)
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise _invalid("ignore_eos", "a bool", self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestSampler:
+    """One request's params and its own random generator (seeded, or spawned from OS entropy)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else _ENTROPY.spawn(1)[0]
+        self.rng = np.random.default_rng(seed)
+
+
+class _Filters(NamedTuple):
+    """A row's filters; ``top_k`` is 0 when disabled or when it would keep the whole row."""
+
+    top_k: int
+    top_p: float
+    min_p: float
+
+    @classmethod
+    def of(cls, p: SamplingParams, vocab: int) -> _Filters:
+        return cls(p.top_k if 0 < p.top_k < vocab else 0, p.top_p, p.min_p)
+
+
+def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
+    """float32 logits divided by the temperature, kept in float32."""
+    return row / np.float32(temperature)
+
+
+def _logsumexp(x: np.ndarray, top: float) -> float:
+    """log(sum(exp(x))) given ``top = x.max()``, accumulated in float64."""
+    return top + math.log(np.exp(x - top).sum(dtype=np.float64))
+
+
+def _min_p_bound(top: float, min_p: float) -> np.float64:
+    """Lowest scaled logit min-p keeps (probability >= min_p * top probability, less slack)."""
+    return np.float64(top + math.log(min_p) - _SLACK)
+
+
+def _window_suffices(ids: np.ndarray, x: np.ndarray, f: _Filters, log_norm: float | None) -> bool:
+    """Whether a window holds what the filters read: the top-k set, or else top_p of the mass."""
+    if f.top_k:
+        return len(ids) >= f.top_k
+    mass = float(np.exp(x[ids].astype(np.float64) - log_norm).sum())
+    return mass >= f.top_p - _SLACK + _MASS_GUARD
+
+
+def _candidates(x: np.ndarray, top: float, f: _Filters, log_norm: float | None) -> np.ndarray:
+    """A rank prefix of the row (ids ascending) holding every token the filters can keep.
+
+    The first window (all tokens within ``_WINDOWS`` nats of the top logit) that suffices, else
+    the whole row; with top-k, narrowed to the top-k set (and its ties) by ``np.partition``.
+    """
+    windows = (np.flatnonzero(x >= top - margin) for margin in _WINDOWS)
+    ids = next((w for w in windows if _window_suffices(w, x, f, log_norm)), np.arange(len(x)))
+    if f.top_k:
+        xs = x[ids]
+        kth = np.partition(xs, len(xs) - f.top_k)[len(xs) - f.top_k]
+        ids = ids[xs >= kth]
+    return ids
+
+
+def _kept_prefix(ranked: np.ndarray, log_norm: float | None, f: _Filters) -> int:
+    """How many leading candidates survive, given their scaled logits in rank order.
+
+    ``log_norm`` is the row's logsumexp, read by top-p without top-k; with top-k, top-p reads
+    the probabilities renormalised over the top-k set.
+    """
+    n = len(ranked)
+    if f.top_k:
+        n = f.top_k
+        log_norm = _logsumexp(ranked[:n], ranked[0])
+    if f.top_p < 1.0:
+        cum = np.cumsum(np.exp(ranked[:n] - log_norm))
+        n = min(n, int(np.searchsorted(cum, f.top_p - _SLACK)) + 1)  # first reaching top_p
+    if f.min_p > 0.0:
+        n = int(np.count_nonzero(ranked[:n] >= _min_p_bound(ranked[0], f.min_p)))
+    return n
+
+
+def _rank_prefix(ids: np.ndarray, xs: np.ndarray, n: int, last: float) -> np.ndarray:
+    """The first ``n`` of ``ids`` in rank order (ids ascending), the n-th having logit ``last``:
+    every token above ``last``, then tokens equal to it by ascending id."""
+    keep = xs > last
+    keep[np.flatnonzero(xs == last)[: n - np.count_nonzero(keep)]] = True
+    return ids[keep]
+
+
+def _filtered(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Ids (ascending) of the tokens that survive top-k, top-p and min-p on scaled logits."""
+    f = _Filters.of(p, len(x))
+    top = float(x.max())
+    if not f.top_k and f.top_p >= 1.0:  # at most min-p: a threshold, no ranking needed
+        if f.min_p <= 0.0:
+            return np.arange(len(x))
+        return np.flatnonzero(x >= _min_p_bound(top, f.min_p))
+    log_norm = None if f.top_k else _logsumexp(x, top)
+    ids = _candidates(x, top, f, log_norm)
+    xs = x[ids].astype(np.float64)
+    ranked = np.sort(xs)[::-1]  # values only: cheaper than an argsort
+    n = _kept_prefix(ranked, log_norm, f)
+    return _rank_prefix(ids, xs, n, ranked[n - 1])
+
+
+def _weights(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Unnormalised probabilities of the kept tokens ``ids`` (float32, top token 1)."""
+    xs = x if len(ids) == len(x) else x[ids]
+    return np.exp(xs - xs.max())
+
+
+def _sample_row(row: np.ndarray, sampler: RequestSampler) -> int:
+    x = _scaled(row, sampler.params.temperature)
+    ids = _filtered(x, sampler.params)
+    cum = np.cumsum(_weights(x, ids), dtype=np.float64)
+    i = int(np.searchsorted(cum, sampler.rng.random() * cum[-1], side="right"))
+    return int(ids[min(i, len(ids) - 1)])
+
+
+def _rows(logits: mx.array, rows: list[int]) -> mx.array:
+    picked = logits if len(rows) == logits.shape[0] else logits[mx.array(rows)]
+    return picked.astype(mx.float32)
+
+
+# ANCHOR: sample_next_tokens
+def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> list[int]:
+    """Next token for each row of ``logits`` [B, V]; row b uses ``samplers[b]``."""
+    if logits.ndim != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(
+            f"logits must be [B, V] with B == len(samplers) == {len(samplers)}, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    tokens = [0] * len(samplers)
+    greedy = [b for b, s in enumerate(samplers) if s.params.greedy]
+    sampled = [b for b, s in enumerate(samplers) if not s.params.greedy]
+    if greedy:
+        argmax = mx.argmax(_rows(logits, greedy), axis=-1).tolist()
+        for b, token in zip(greedy, argmax, strict=True):
+            tokens[b] = token
+    if sampled:
+        for b, row in zip(sampled, np.array(_rows(logits, sampled)), strict=True):
+            tokens[b] = _sample_row(row, samplers[b])
+    return tokens
+
+
+# ANCHOR_END: sample_next_tokens
+
+
+def filter_logits(
+    logits_row: np.ndarray | mx.array, params: SamplingParams
+) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution ``sample_next_tokens`` draws a row from.
+
+    Returns (kept token ids ascending, their probabilities). Greedy params give the argmax with
+    probability 1.
+    """
+    if isinstance(logits_row, mx.array):
+        logits_row = np.array(logits_row.astype(mx.float32))
+    row = np.asarray(logits_row, dtype=np.float32)
+    if row.ndim != 1:
+        raise ValueError(f"logits_row must be 1-D, got shape {row.shape}")
+    if params.greedy:
+        return np.array([int(np.argmax(row))]), np.ones(1)
+    x = _scaled(row, params.temperature)
+    ids = _filtered(x, params)
+    weights = _weights(x, ids).astype(np.float64)
+    return ids, weights / weights.sum()
