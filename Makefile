@@ -21,10 +21,21 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ifeq ($(UNAME),Linux)
-native: $(NATIVE)/libcblas_shim.so
+native: $(NATIVE)/libcblas_shim.so $(NATIVE)/.ext-built
 else
-native:
+native: $(NATIVE)/.ext-built
 endif
+
+# The kernel extension (src/extensions): paged attention ops, CPU C++ + Metal source.
+EXT_SOURCES := $(wildcard src/extensions/*.cpp src/extensions/*.h src/extensions/metal/*.metal) \
+	src/extensions/CMakeLists.txt
+$(NATIVE)/.ext-built: $(EXT_SOURCES) $(STAMP)
+	mkdir -p $(NATIVE)
+	$(VENV)/bin/cmake -S src/extensions -B build/ext -DPython_EXECUTABLE=$(abspath $(PY)) \
+		-DCMAKE_BUILD_TYPE=Release > build-ext.log 2>&1 || (cat build-ext.log; exit 1)
+	$(VENV)/bin/cmake --build build/ext -j2 >> build-ext.log 2>&1 || (cat build-ext.log; exit 1)
+	cp build/ext/_ext*.so $(NATIVE)/
+	touch $@
 
 # The OpenBLAS shim for MLX's float32 GEMM on Linux (DESIGN.md section 7).
 $(NATIVE)/libcblas_shim.so: src/extensions/blas_shim/cblas_shim.c $(STAMP)
@@ -52,4 +63,4 @@ bench-model: setup
 	$(PY) benches/bench_model.py
 
 clean:
-	rm -rf $(VENV) $(NATIVE) book/book
+	rm -rf $(VENV) $(NATIVE) book/book build build-ext.log

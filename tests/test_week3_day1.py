@@ -51,13 +51,18 @@ def run_staggered(engine: LLMEngine, prompts, params, arrivals) -> dict[str, lis
     return {i: tokens[rid] for i, rid in ids.items()}
 
 
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokenizer, policy):
+def test_batch_invariance_against_request_served_alone(
+    tiny_model, smollm_tokenizer, policy, kv_cache
+):
     prompts = random_prompts(13, seed=1)
     rng = random.Random(2)
     params = [greedy(rng.randint(3, 14)) for _ in prompts]
     arrivals = [rng.randint(0, 12) for _ in prompts]
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy)
+    engine = LLMEngine(
+        tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy, kv_cache=kv_cache
+    )
     got = run_staggered(engine, prompts, params, arrivals)
     for i, prompt in enumerate(prompts):
         expected, _ = alone(tiny_model, smollm_tokenizer, prompt, params[i])
@@ -68,7 +73,7 @@ def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokeni
 def test_more_requests_than_slots_all_complete_and_slots_are_reused(
     tiny_model, smollm_tokenizer
 ):
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, kv_cache="dense")
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(4)) for p in random_prompts(10, 3)]
     finished, slots_used, max_live = set(), set(), 0
     while engine.has_unfinished_requests():
@@ -145,7 +150,7 @@ def test_max_tokens_and_max_model_len(tiny_model, smollm_tokenizer):
 
 def test_abort_mid_flight_frees_resources_and_spares_others(tiny_model, smollm_tokenizer):
     prompts = random_prompts(3, 9)
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, kv_cache="dense")
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(10)) for p in prompts]
     for _ in range(3):
         engine.step()

@@ -20,7 +20,7 @@ class RecordingModel:
     """Wraps the model to keep the logits of every forward the engine runs."""
 
     def __init__(self, model):
-        self.model, self.config, self.logits = model, model.config, []
+        self.model, self.config, self.dtype, self.logits = model, model.config, model.dtype, []
 
     def __call__(self, tokens, positions, cache, logit_rows=None):
         out = self.model(tokens, positions, cache, logit_rows)

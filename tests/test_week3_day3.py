@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+PAGED = dict(kv_cache="paged", attention="gather")  # Day 3: attention gathers from the pages
+
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -146,7 +148,7 @@ def tokens_of(engine, prompts, params):
 def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
     prompts, params = workload(10, seed=1)
     dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4)
-    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="paged",
+    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **PAGED,
                       page_size=4, num_pages=256, max_num_batched_tokens=32)
     assert tokens_of(paged, prompts, params) == tokens_of(dense, prompts, params)
     assert paged.stats()["num_preemptions"] == 0
@@ -157,7 +159,7 @@ def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
 def test_small_pool_preempts_and_still_matches_dense(tiny_model, smollm_tokenizer):
     prompts, params = workload(10, seed=2)
     expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4), prompts, params)
-    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="paged",
+    paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **PAGED,
                       page_size=4, num_pages=18, max_model_len=72, enable_prefix_caching=False)
     assert tokens_of(paged, prompts, params) == expected
     stats = paged.stats()
@@ -170,7 +172,7 @@ def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokeni
     prompts, params = workload(8, seed=3, shared_prefix=37)
     results, stats = [], []
     for caching in (False, True):
-        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2, kv_cache="paged",
+        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2, **PAGED,
                            page_size=page_size, num_pages=128, enable_prefix_caching=caching)
         results.append(tokens_of(engine, prompts, params))
         stats.append(engine.stats())
@@ -182,7 +184,7 @@ def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokeni
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_model, smollm_tokenizer):
-    engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", page_size=4, num_pages=8,
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **PAGED, page_size=4, num_pages=8,
                        max_model_len=64)
     running = engine.add_request({"prompt_token_ids": [5, 6, 7]}, greedy(4))
     with pytest.raises(ValueError, match="whole pool holds 32"):
@@ -198,7 +200,7 @@ def test_abort_of_a_prefix_sharer_leaves_the_other_intact(tiny_model, smollm_tok
     prefix = list(range(300, 340))
     a, b = {"prompt_token_ids": prefix + [1, 2]}, {"prompt_token_ids": prefix + [3]}
     expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer), [b], [greedy(10)])[0]
-    engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", page_size=8, num_pages=64)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **PAGED, page_size=8, num_pages=64)
     ida = engine.add_request(a, greedy(30))
     engine.step()  # a's prompt pages are computed and cached
     idb = engine.add_request(b, greedy(10))
@@ -218,9 +220,9 @@ def test_pool_is_sized_from_the_memory_budget_and_logged(tiny_model, smollm_toke
     cfg = tiny_model.config
     page_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 16
     with caplog.at_level(logging.INFO, logger="tiny_llm"):
-        engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged",
+        engine = LLMEngine(tiny_model, smollm_tokenizer, **PAGED,
                            kv_memory_bytes=100 * page_bytes + 5, max_model_len=400)
     assert engine.stats()["num_pages"] == 100
     assert "100 pages x 16 tokens" in caplog.text and "4.00x" in caplog.text
     with pytest.raises(ValueError, match="holds no page"):
-        LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", kv_memory_bytes=10)
+        LLMEngine(tiny_model, smollm_tokenizer, **PAGED, kv_memory_bytes=10)

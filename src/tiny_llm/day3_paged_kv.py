@@ -263,32 +263,39 @@ class BlockSpace:
 
 # ANCHOR: page_pool
 class PagePool:
-    """Per-layer K and V pages: ``[num_pages * page_size, n_kv_heads, head_dim]``, i.e. pages
-    ``[num_pages, page_size, n_kv_heads, head_dim]`` stored flat so a slot index addresses a
-    row. The engine must hold the only reference to these arrays: MLX then performs the
-    indexed write in place, costing O(new tokens); any other reference turns every write
-    into a copy of the whole pool."""
+    """Per-layer K and V pages, ``[num_pages, page_size, n_kv_heads, head_dim]``; a flat
+    slot ``page * page_size + offset`` names one token row. The engine must hold the only
+    reference to these arrays: MLX then performs the indexed write in place, costing
+    O(new tokens); any other reference turns every write into a copy of the whole pool."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, n_kv_heads: int,
                  head_dim: int, dtype: mx.Dtype):
-        shape = (num_pages * page_size, n_kv_heads, head_dim)
+        shape = (num_pages, page_size, n_kv_heads, head_dim)
         self.k = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         self.v = [mx.zeros(shape, dtype) for _ in range(num_layers)]
         self.page_size = page_size
         mx.eval(self.k, self.v)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        self.k[layer][pages, offsets] = k
+        self.v[layer][pages, offsets] = v
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Rows at ``slots`` as dense ``[len(slots), n_kv_heads, head_dim]`` arrays."""
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        return self.k[layer][pages, offsets], self.v[layer][pages, offsets]
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 # ANCHOR_END: page_pool
 
 
+# ANCHOR: slot_mapping
 def slots_for(table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
     """Pool rows of positions ``start .. end - 1`` (address translation)."""
     return [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+# ANCHOR_END: slot_mapping
 
 
 # ANCHOR: paged_batch
@@ -308,7 +315,7 @@ class PagedBatchKV:
         outs = []
         for b, slots in enumerate(self.context_slots):
             lo, hi = self.query_start_loc[b], self.query_start_loc[b + 1]
-            keys, values = self.pool.k[layer][slots], self.pool.v[layer][slots]
+            keys, values = self.pool.gather(layer, slots)
             outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo)))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
@@ -317,26 +324,38 @@ class PagedBatchKV:
 # ANCHOR_END: paged_batch
 
 
+# ANCHOR: paged_space
 class PagedKVSpace(BlockSpace):
     """Paged KV for the engine: the block manager, the page pool, and step batches."""
 
     def __init__(self, config, num_pages: int, page_size: int, enable_prefix_caching: bool,
-                 dtype: mx.Dtype):
+                 dtype: mx.Dtype, attention: str = "gather"):
         super().__init__(BlockManager(num_pages, page_size, enable_prefix_caching))
         self.page_size = page_size
+        self.attention = attention
         self.pool = PagePool(config.num_hidden_layers, num_pages, page_size,
                              config.num_key_value_heads, config.head_dim, dtype)
 
-    def batch(self, chunks, query_start_loc: list[int]) -> PagedBatchKV:
+    def batch(self, chunks, query_start_loc: list[int]):
+        """The step's attention over the pages: Day 3 gathers, Day 4 walks the tables."""
         slot_mapping: list[int] = []
-        context_slots: list[list[int]] = []
+        tables, context_lens = [], []
         for chunk in chunks:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
-            table = self.table(req)
+            table = self.table(req)[: blocks_needed(end, self.page_size)]
             slot_mapping += slots_for(table, start, end, self.page_size)
-            context_slots.append(slots_for(table, 0, end, self.page_size))
-        return PagedBatchKV(self.pool, slot_mapping, query_start_loc, context_slots)
+            tables.append(table)
+            context_lens.append(end)
+        if self.attention == "gather":
+            context_slots = [slots_for(t, 0, n, self.page_size)
+                             for t, n in zip(tables, context_lens, strict=True)]
+            return PagedBatchKV(self.pool, slot_mapping, query_start_loc, context_slots)
+        from tiny_llm.day4_paged_attention import DirectPagedBatchKV
+
+        return DirectPagedBatchKV(self.pool, self.attention, slot_mapping, tables,
+                                  context_lens, query_start_loc)
+    # ANCHOR_END: paged_space
 
     def nbytes(self) -> int:
         return self.pool.nbytes()

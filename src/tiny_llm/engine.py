@@ -25,6 +25,7 @@ from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler
 from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
+from tiny_llm.day4_paged_attention import extension
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
@@ -34,6 +35,7 @@ from tiny_llm.tokenizer import Tokenizer
 import mlx.core as mx
 
 KV_CACHES = ("dense", "paged")
+ATTENTIONS = ("gather", "reference", "kernel")
 
 Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 
@@ -46,11 +48,12 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default: the model's context length
     scheduler: str = "continuous"  # or "static", the Day 1 baseline
     enable_chunked_prefill: bool = True  # Day 2; off: a prompt is prefilled in one step
-    kv_cache: str = "dense"  # dense per-request caches (Days 1-2) or "paged" (Day 3)
+    kv_cache: str = "paged"  # "dense": per-request caches (Days 1-2); "paged" (Day 3)
     page_size: int = 16  # tokens per KV page (paged)
     kv_memory_bytes: float | None = None  # pool budget: bytes, or a fraction of RAM if <= 1
     num_pages: int | None = None  # explicit pool size; overrides kv_memory_bytes
     enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
+    attention: str = "kernel"  # paged: "gather" (Day 3), "reference" or "kernel" (Day 4)
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -71,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {self.scheduler!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         for name in ("page_size", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -154,7 +159,10 @@ class LLMEngine:
                            self.max_model_len, cfg.max_num_seqs)
         page_bytes = kv_bytes_per_token(mcfg, dtype) * cfg.page_size
         log_pool(pages, cfg.page_size, page_bytes, self.max_model_len)
-        return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
+        if cfg.attention == "kernel":
+            extension()  # fail now, with the build command, rather than mid-step
+        return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype,
+                            cfg.attention)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> LLMEngine:

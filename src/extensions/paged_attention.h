@@ -1,0 +1,69 @@
+// Paged attention ops for tiny_llm: one block-table interface, CPU kernels in C++ and
+// Metal kernels (JIT-compiled by MLX) for Apple GPUs.
+//
+//   paged_attention(q [T, Hq, D], k_pages, v_pages [P, page_size, Hkv, D],
+//                   block_table int32 [B, max_pages], context_lens int32 [B],
+//                   query_start_loc int32 [B + 1], scale) -> [T, Hq, D]
+//   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
+//       -> (k_pages, v_pages), written in place when the pool is donatable.
+//
+// Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
+// any kernel runs; these ops check only shapes and dtypes.
+#pragma once
+
+#include <tuple>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace tiny_llm {
+
+namespace mx = mlx::core;
+
+mx::array paged_attention(
+    const mx::array& q,
+    const mx::array& k_pages,
+    const mx::array& v_pages,
+    const mx::array& block_table,
+    const mx::array& context_lens,
+    const mx::array& query_start_loc,
+    float scale,
+    mx::StreamOrDevice s = {});
+
+std::tuple<mx::array, mx::array> paged_kv_write(
+    const mx::array& k_pages,
+    const mx::array& v_pages,
+    const mx::array& k_new,
+    const mx::array& v_new,
+    const mx::array& slot_mapping,
+    mx::StreamOrDevice s = {});
+
+// How many times paged_kv_write had to copy a pool because it was not donatable
+// (another reference was alive). The engine keeps this at 0; tests and benches read it.
+int pool_copies();
+
+// Threads the CPU kernels may use (default: the machine's hardware threads).
+void set_num_threads(int n);
+
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "PagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+};
+
+class PagedKVWrite : public mx::Primitive {
+ public:
+  explicit PagedKVWrite(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "PagedKVWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+}  // namespace tiny_llm
