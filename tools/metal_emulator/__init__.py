@@ -1,0 +1,46 @@
+"""CPU emulator for the project's Metal kernels (test-only; never imported by tiny_llm).
+
+A ``.metal`` file in the project's MSL subset compiles unchanged as C++ through
+a shim header and runs with one fiber per GPU thread, switching only at
+barriers and simd collectives, under selectable thread schedules. See
+README.md in this folder.
+"""
+
+from .harness import (
+    DEFAULT_SCHEDULES,
+    BarrierError,
+    EmulatorError,
+    MetalCompileError,
+    MetalLibrary,
+    Out,
+    OutOfBoundsError,
+    Outputs,
+    ScheduleMismatch,
+    SimdError,
+    bfloat16_to_float32,
+    compile_metal,
+    float32_to_bfloat16,
+    run_schedules,
+)
+from .lint import lint_metal, lint_source
+from .source import MetalSourceError
+
+__all__ = [
+    "DEFAULT_SCHEDULES",
+    "BarrierError",
+    "EmulatorError",
+    "MetalCompileError",
+    "MetalLibrary",
+    "MetalSourceError",
+    "OutOfBoundsError",
+    "Out",
+    "Outputs",
+    "ScheduleMismatch",
+    "SimdError",
+    "bfloat16_to_float32",
+    "compile_metal",
+    "float32_to_bfloat16",
+    "lint_metal",
+    "lint_source",
+    "run_schedules",
+]
