@@ -1,10 +1,10 @@
 // CPU kernels and op entry points for paged attention (see paged_attention.h).
 //
-// CPU schedule (Day 4, the vector schedule): one work item per (query row, KV head).
-// The item walks its sequence's block table page by page up to the row's causal limit
-// and keeps an online softmax (running max m, running sum l, running output acc) for
-// the G query heads that share the KV head, so every K and V row is read once for the
-// whole group. Items run in parallel on the machine's threads.
+// CPU schedules. Vector (Day 4): one work item per (decode row, KV head) walks its
+// sequence's block table page by page and keeps an online softmax (running max m,
+// running sum l, running output acc) for the G query heads sharing the KV head, so each
+// K/V row is read once for the whole group. Tiled (Day 5): rows of multi-token queries
+// go in tiles of 16 that share every page they read. Items run on all cores.
 //
 // GPU: the same schedule as a Metal kernel (metal/paged_attention.metal), compiled at
 // run time by MLX (fast::metal_kernel), so no Metal toolchain is needed to build.
@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -58,89 +59,132 @@ struct Geometry {
   float scale;
 };
 
-// ANCHOR: cpu_vector_schedule
-// One query row against `num_keys` keys of one sequence, for the G query heads that
-// share KV head `kv_head`. q and out point at the group's first head.
+// ANCHOR: cpu_page_update
+// Fold one page of keys into the online softmax of one (query row, head): scores for
+// the first `n` keys, then rescale (m, l, acc) to the new running max and add p * V.
+// Both schedules call exactly this, so a row's result does not depend on the schedule
+// or on how the prompt was chunked.
+inline void fold_page(const float* qrow, const float* k, const float* v, int64_t stride, int n,
+                      int D, float* score, float& m, float& l, float* acc) {
+  float page_max = -FLT_MAX;
+  for (int t = 0; t < n; ++t) {
+    const float* krow = k + t * stride;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int d = 0; d < D; ++d) dot += qrow[d] * krow[d];
+    score[t] = dot;
+    page_max = std::max(page_max, dot);
+  }
+  const float new_m = std::max(m, page_max);
+  const float correction = std::exp(m - new_m);
+  l *= correction;
+  for (int d = 0; d < D; ++d) acc[d] *= correction;
+  m = new_m;
+  for (int t = 0; t < n; ++t) {
+    const float p = std::exp(score[t] - new_m);
+    l += p;
+    const float* vrow = v + t * stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) acc[d] += p * vrow[d];
+  }
+}
+// ANCHOR_END: cpu_page_update
+
+// ANCHOR: cpu_schedules
+// `rows` consecutive query rows of one sequence (absolute positions first_pos, ...),
+// for the G query heads sharing KV head `kv_head`, over the sequence's pages.
+//
+// rows == 1 is the vector (decode) schedule. rows > 1 is the tiled schedule: a query
+// tile against one page (key tile) at a time, so each K/V page is read once for the
+// whole tile; pages past the tile's last position are never visited (tiles above the
+// causal diagonal are skipped) and, on the diagonal page, each row stops at itself.
 template <typename T>
-void attend_row(const T* q, const T* k_pages, const T* v_pages, const int32_t* table,
-                int num_keys, int kv_head, const Geometry& g, T* out) {
+void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
+                 const T* v_pages, const int32_t* table, int kv_head, const Geometry& g) {
   const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, ps = g.page_size;
-  thread_local std::vector<float> buf;
-  buf.assign(2 * G * D + 2 * G + G * ps, 0.0f);
-  float* qf = buf.data();
-  float* acc = qf + G * D;
-  float* m = acc + G * D;
-  float* l = m + G;
-  float* s = l + G;  // [G, ps]: scores, then probabilities, of the current page
-  for (int x = 0; x < G * D; ++x) qf[x] = static_cast<float>(q[x]) * g.scale;
-  std::fill(m, m + G, -FLT_MAX);
+  const int R = rows * G;  // (row, head) pairs of the tile
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
+  constexpr bool kIsFloat = std::is_same_v<T, float>;
+  thread_local std::vector<float> buf;
+  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + ps + (kIsFloat ? 0 : 2 * ps * D)), 0.0f);
+  float* qf = buf.data();
+  float* acc = qf + R * D;
+  float* m = acc + R * D;
+  float* l = m + R;
+  float* score = l + R;
+  float* kv_f = score + ps;  // the page converted to float (half/bfloat pages only)
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x < G * D; ++x)
+      qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
+  std::fill(m, m + R, -FLT_MAX);
+  const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
   for (int start = 0, j = 0; start < num_keys; start += ps, ++j) {
     const int n = std::min(ps, num_keys - start);
-    // Address translation: logical page j of this sequence lives in physical page table[j].
+    // Address translation: logical page j of this sequence is physical page table[j].
     const int64_t base = static_cast<int64_t>(table[j]) * ps * slot_stride + kv_head * D;
-    for (int t = 0; t < n; ++t) {
-      const T* krow = k_pages + base + t * slot_stride;
-      for (int gi = 0; gi < G; ++gi) {
-        const float* qg = qf + gi * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(krow[d]);
-        s[gi * ps + t] = dot;
-      }
+    const float* k;
+    const float* v;
+    int64_t stride;
+    if constexpr (kIsFloat) {
+      k = k_pages + base, v = v_pages + base, stride = slot_stride;
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int d = 0; d < D; ++d) {
+          kv_f[t * D + d] = static_cast<float>(k_pages[base + t * slot_stride + d]);
+          kv_f[(ps + t) * D + d] = static_cast<float>(v_pages[base + t * slot_stride + d]);
+        }
+      k = kv_f, v = kv_f + ps * D, stride = D;
     }
-    // Online softmax, once per page: rescale what was accumulated to the new max.
-    for (int gi = 0; gi < G; ++gi) {
-      float* sg = s + gi * ps;
-      const float page_max = *std::max_element(sg, sg + n);
-      const float new_m = std::max(m[gi], page_max);
-      const float correction = std::exp(m[gi] - new_m);
-      l[gi] *= correction;
-      for (int d = 0; d < D; ++d) acc[gi * D + d] *= correction;
-      m[gi] = new_m;
-      for (int t = 0; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - new_m);
-        l[gi] += sg[t];
-      }
-    }
-    for (int t = 0; t < n; ++t) {
-      const T* vrow = v_pages + base + t * slot_stride;
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, first_pos + r + 1 - start);  // causal within the page
+      if (visible <= 0) continue;
       for (int gi = 0; gi < G; ++gi) {
-        const float p = s[gi * ps + t];
-        float* a = acc + gi * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a[d] += p * static_cast<float>(vrow[d]);
+        const int x = r * G + gi;
+        fold_page(qf + x * D, k, v, stride, visible, D, score, m[x], l[x], acc + x * D);
       }
     }
   }
-  for (int gi = 0; gi < G; ++gi)
-    for (int d = 0; d < D; ++d) out[gi * D + d] = static_cast<T>(acc[gi * D + d] / l[gi]);
+  for (int r = 0; r < rows; ++r)
+    for (int gi = 0; gi < G; ++gi) {
+      const int x = r * G + gi;
+      for (int d = 0; d < D; ++d)
+        out[r * row_elems + gi * D + d] = static_cast<T>(acc[x * D + d] / l[x]);
+    }
 }
 
+constexpr int kQueryTile = 16;
+
+// Work items: one per (decode row, KV head) and one per (query tile, KV head) for rows of
+// multi-token queries; each walks only its own sequence's block table.
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
                          Geometry g) {
-  const int total_rows = qsl[g.num_seqs];
-  // Row r belongs to sequence seq_of[r]; its absolute position sets its causal limit.
-  std::vector<int> seq_of(total_rows);
-  for (int b = 0; b < g.num_seqs; ++b)
-    for (int r = qsl[b]; r < qsl[b + 1]; ++r) seq_of[r] = b;
+  struct Tile { int seq, row, rows; };
+  std::vector<Tile> tiles;
+  double keys = 0;
+  for (int b = 0; b < g.num_seqs; ++b) {
+    const int len = qsl[b + 1] - qsl[b];
+    for (int r = qsl[b]; r < qsl[b + 1]; r += kQueryTile)
+      tiles.push_back({b, r, std::min(kQueryTile, qsl[b + 1] - r)});
+    keys += double(context_lens[b]) * len;
+  }
   const int G = g.n_heads / g.n_kv_heads;
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
-  double keys = 0;
-  for (int b = 0; b < g.num_seqs; ++b) keys += double(context_lens[b]) * (qsl[b + 1] - qsl[b]);
-  const double flops = 4.0 * G * g.head_dim * keys / std::max(1, total_rows);
-  parallel_for(total_rows * g.n_kv_heads, flops, [&](int item) {
-    const int r = item / g.n_kv_heads, h = item % g.n_kv_heads, b = seq_of[r];
+  const int items = static_cast<int>(tiles.size()) * g.n_kv_heads;
+  const double flops = 4.0 * G * g.head_dim * keys / std::max(1, items);
+  parallel_for(items, flops, [&](int item) {
+    const Tile& tile = tiles[item / g.n_kv_heads];
+    const int h = item % g.n_kv_heads, b = tile.seq;
     const int query_len = qsl[b + 1] - qsl[b];
-    const int num_keys = context_lens[b] - query_len + (r - qsl[b]) + 1;  // causal
-    const int64_t offset = r * row_elems + static_cast<int64_t>(h) * G * g.head_dim;
-    attend_row(q + offset, k_pages, v_pages, tables + static_cast<int64_t>(b) * g.max_pages,
-               num_keys, h, g, out + offset);
+    const int first_pos = context_lens[b] - query_len + (tile.row - qsl[b]);
+    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(h) * G * g.head_dim;
+    attend_rows(q + offset, out + offset, tile.rows, first_pos, k_pages, v_pages,
+                tables + static_cast<int64_t>(b) * g.max_pages, h, g);
   });
 }
-// ANCHOR_END: cpu_vector_schedule
+// ANCHOR_END: cpu_schedules
 
 template <typename T>
 void dispatch_attention(mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in,

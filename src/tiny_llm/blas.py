@@ -23,6 +23,7 @@ SHIM_PATH = Path(__file__).parent / "_native" / "libcblas_shim.so"
 _state: dict[str, bool] = {}
 
 
+# ANCHOR: load_openblas
 def load_openblas() -> bool:
     """Load the OpenBLAS shim globally; returns whether MLX will use OpenBLAS."""
     if "loaded" in _state:
@@ -46,6 +47,7 @@ def load_openblas() -> bool:
             )
     _state["loaded"] = loaded
     return loaded
+# ANCHOR_END: load_openblas
 
 
 def openblas_loaded() -> bool:

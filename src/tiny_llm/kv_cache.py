@@ -88,6 +88,7 @@ class DenseKVCache:
 # ANCHOR_END: dense_cache
 
 
+# ANCHOR: dense_batch
 class DenseBatchKV:
     """A flat batch over per-sequence dense caches: rows ``[starts[b], starts[b+1])`` are
     sequence ``b``'s new tokens."""
@@ -106,3 +107,4 @@ class DenseBatchKV:
     def state(self) -> list[mx.array]:
         """The arrays this step wrote, to evaluate together with the logits."""
         return [a for c in self.caches for a in c.keys + c.values if a is not None]
+# ANCHOR_END: dense_batch

@@ -66,8 +66,15 @@ class ModelConfig:
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:  # before fields other models lack
+            raise ValueError(
+                f"unsupported architecture {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         args = {k: v for k, v in config.items() if k in known}
+        if args.get("num_key_value_heads") is None and "num_attention_heads" in args:
+            args["num_key_value_heads"] = args["num_attention_heads"]  # HF default: MHA
         rope_params = config.get("rope_parameters") or {}
         if "rope_theta" not in args and "rope_theta" in rope_params:
             args["rope_theta"] = rope_params["rope_theta"]
@@ -91,6 +98,7 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
 
+# ANCHOR: kv_cache_protocol
 class KVCache(Protocol):
     """Where attention reads and writes keys and values. Chapters provide implementations."""
 
@@ -98,6 +106,7 @@ class KVCache(Protocol):
         """Store the step's new ``k, v [T, Hkv, D]`` for ``layer`` and return attention of
         ``q [T, Hq, D]`` over each sequence's keys (causal), shaped ``[T, Hq, D]``."""
         ...
+# ANCHOR_END: kv_cache_protocol
 
 
 # ANCHOR: rope

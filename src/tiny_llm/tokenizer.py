@@ -160,6 +160,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    # ANCHOR: chat_template
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
@@ -184,6 +185,7 @@ class Tokenizer:
         """Template, then ids; no extra BOS, as the template writes one itself when needed."""
         prompt = self.apply_chat_template(messages, add_generation_prompt)
         return self.encode(prompt, add_special_tokens=False)
+    # ANCHOR_END: chat_template
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(partial(self.decode, skip_special_tokens=skip_special_tokens))
@@ -192,6 +194,7 @@ class Tokenizer:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
 
 
+# ANCHOR: detokenizer
 class IncrementalDetokenizer:
     """Turns a token stream into text pieces, one `add` per token, never splitting a character.
 
@@ -230,6 +233,7 @@ class IncrementalDetokenizer:
     def _emit(self, piece: str) -> str:
         self.text += piece
         return piece
+# ANCHOR_END: detokenizer
 
 
 def _byte_level_bpe(tokens: list[str], merges: Sequence[str], pre: str) -> Backend:

