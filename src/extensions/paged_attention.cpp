@@ -290,13 +290,17 @@ mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
       "tiny_llm_paged_attention",
       {"q", "k_pages", "v_pages", "block_table", "context_lens", "query_start_loc", "params"},
       {"out"},
-      "threadgroup float tg_m[kSimdgroups * GROUP];\n"
+      "threadgroup float tg_m[kPairs * GROUP];\n"
       "threadgroup float tg_l[kSimdgroups * GROUP];\n"
       "threadgroup float tg_acc[GROUP * HEAD_DIM];\n"
+      "threadgroup float k_tile[8 * HEAD_DIM];\n"
+      "threadgroup float v_tile[8 * HEAD_DIM];\n"
+      "threadgroup float scratch[64 * kSimdgroups];\n"
       "paged_attention_jit_entry<T, HEAD_DIM, GROUP>(q, k_pages, v_pages, block_table,\n"
-      "    context_lens, query_start_loc, params, out, tg_m, tg_l, tg_acc,\n"
-      "    threadgroup_position_in_grid, simdgroup_index_in_threadgroup,\n"
-      "    thread_index_in_simdgroup);\n",
+      "    context_lens, query_start_loc, params, out, tg_m, tg_l, tg_acc, k_tile, v_tile,\n"
+      "    scratch, threadgroup_position_in_grid, threadgroups_per_grid,\n"
+      "    simdgroup_index_in_threadgroup, thread_index_in_simdgroup,\n"
+      "    thread_index_in_threadgroup);\n",
       kMetalSource);
   const int T = q.shape(0), n_heads = q.shape(1), D = q.shape(2);
   const int n_kv_heads = k_pages.shape(2), page_size = k_pages.shape(1);
@@ -307,10 +311,16 @@ mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
   mx::array params({context_lens.shape(0), block_table.shape(1), n_heads, n_kv_heads,
                     page_size, scale_bits},
                    mx::int32);
+  check(page_size >= 8, "the Metal kernel needs page_size >= 8");
+  // Threadgroups: one per query row (vector schedule), then one per (sequence, query
+  // tile) (tiled schedule); each keeps only the work its sequence's query length selects.
+  const int group = n_heads / n_kv_heads;
+  const int tiles_per_seq = (T + 64 / group - 1) / (64 / group);
+  const int groups_x = T + context_lens.shape(0) * tiles_per_seq;
   const int threads = 32 * 8;  // 8 simdgroups per threadgroup
   auto outs = kernel(
       {q, k_pages, v_pages, block_table, context_lens, query_start_loc, params},
-      {q.shape()}, {q.dtype()}, {threads * T, n_kv_heads, 1}, {threads, 1, 1},
+      {q.shape()}, {q.dtype()}, {threads * groups_x, n_kv_heads, 1}, {threads, 1, 1},
       {{"T", q.dtype()}, {"HEAD_DIM", D}, {"GROUP", n_heads / n_kv_heads}}, std::nullopt,
       false, stream);
   return outs[0];
