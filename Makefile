@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 NATIVE := src/tiny_llm/_native
 UNAME  := $(shell uname -s)
 
-.PHONY: setup native chat test lint bench-model book clean
+.PHONY: setup native chat test lint bench-model book metal-check clean
 
 setup: $(STAMP) native
 
@@ -61,6 +61,13 @@ book: setup
 
 bench-model: setup
 	$(PY) benches/bench_model.py
+
+# Compile every Metal source with Apple's compiler (macOS with Xcode's Metal toolchain).
+metal-check:
+	for f in src/extensions/metal/*.metal; do \
+		xcrun -sdk macosx metal -std=metal3.1 -c $$f -o /tmp/$$(basename $$f .metal).air || exit 1; \
+	done
+	@echo "all Metal sources compile"
 
 clean:
 	rm -rf $(VENV) $(NATIVE) book/book build build-ext.log
