@@ -240,7 +240,10 @@ def build_model(
             group_size, bits = quant[module]
             scales, biases = weights[f"{module}.scales"], weights[f"{module}.biases"]
             if dequantize:
-                tensor = mx.dequantize(tensor, scales, biases, group_size, bits)
+                # In float32: scales and biases are often float16, and mx.dequantize computes
+                # in their dtype, which would round every weight to float16 first.
+                s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+                tensor = mx.dequantize(tensor, s32, b32, group_size, bits)
             else:
                 params[f"{module}.scales"] = scales.astype(dtype)
                 params[f"{module}.biases"] = biases.astype(dtype)
