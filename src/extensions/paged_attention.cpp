@@ -196,6 +196,21 @@ void dispatch_attention(mx::cpu::CommandEncoder& enc, const std::vector<mx::arra
   });
 }
 
+// Row-major copy of a strided array (element strides), one element at a time.
+void copy_strided(const char* src, char* dst, const mx::Shape& shape,
+                  const mx::Strides& strides, size_t item) {
+  const int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> index(nd, 0);
+  int64_t total = 1;
+  for (auto s : shape) total *= s;
+  for (int64_t i = 0; i < total; ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
+    std::memcpy(dst + i * item, src + offset * item, item);
+    for (int d = nd - 1; d >= 0 && ++index[d] == shape[d]; --d) index[d] = 0;
+  }
+}
+
 void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("tiny_llm paged ops: " + message);
 }
@@ -241,34 +256,38 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
 }
 
 // ANCHOR: cpu_kv_write
+// One pool per primitive: a multi-output primitive would hold the pools in each sibling's
+// input list, and an input held twice is never donatable.
 void PagedKVWrite::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
+  const auto& pool = inputs[0];
+  const auto& rows = inputs[1];
+  auto& out = outputs[0];
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
-  for (int i = 0; i < 2; ++i) {
-    const auto& pool = inputs[i];
-    auto& out = outputs[i];
-    enc.set_output_array(out);
-    if (pool.is_donatable()) {
-      out.copy_shared_buffer(pool);  // in place: the output *is* the pool's buffer
-    } else {
-      // Someone else still holds the pool: writing in place would change their array.
-      g_pool_copies.fetch_add(1);
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      enc.dispatch([src = pool.data<char>(), dst = out.data<char>(), n = out.nbytes()]() {
+  enc.set_output_array(out);
+  if (pool.is_donatable() && pool.flags().row_contiguous) {
+    out.copy_shared_buffer(pool);  // in place: the output *is* the pool's buffer
+  } else {
+    // Someone else still holds the pool (writing in place would change their array), or
+    // it is a strided view: copy it into a fresh row-contiguous buffer first.
+    g_pool_copies.fetch_add(1);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.dispatch([src = pool.data<char>(), dst = out.data<char>(), shape = pool.shape(),
+                  strides = pool.strides(), item = pool.itemsize(),
+                  contiguous = pool.flags().row_contiguous, n = out.nbytes()]() {
+      if (contiguous) {
         std::memcpy(dst, src, n);
-      });
-    }
+      } else {
+        copy_strided(src, dst, shape, strides, item);
+      }
+    });
   }
-  const auto& k_new = inputs[2];
-  const int64_t row_bytes = k_new.nbytes() / std::max<int64_t>(1, k_new.shape(0));
-  enc.dispatch([k = outputs[0].data<char>(), v = outputs[1].data<char>(),
-                kn = inputs[2].data<char>(), vn = inputs[3].data<char>(),
-                slots = inputs[4].data<int32_t>(), rows = k_new.shape(0), row_bytes]() {
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(k + slots[t] * row_bytes, kn + t * row_bytes, row_bytes);
-      std::memcpy(v + slots[t] * row_bytes, vn + t * row_bytes, row_bytes);
-    }
+  const int64_t row_bytes = rows.nbytes() / std::max<int64_t>(1, rows.shape(0));
+  enc.dispatch([dst = out.data<char>(), src = rows.data<char>(),
+                slots = inputs[2].data<int32_t>(), n = rows.shape(0), row_bytes]() {
+    for (int64_t t = 0; t < n; ++t)
+      std::memcpy(dst + slots[t] * row_bytes, src + t * row_bytes, row_bytes);
   });
 }
 // ANCHOR_END: cpu_kv_write
@@ -336,6 +355,9 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
         "q must be [T, Hq, D] and pages [P, page_size, Hkv, D]");
   check(is_float(q.dtype()) && k_pages.dtype() == q.dtype() && v_pages.dtype() == q.dtype(),
         "q and pages must share one float dtype");
+  check(q.shape(2) == k_pages.shape(3) && k_pages.shape(2) > 0 &&
+            q.shape(1) % k_pages.shape(2) == 0,
+        "q [T, Hq, D] must match the pages' head_dim, with Hq a multiple of their KV heads");
   check(block_table.dtype() == mx::int32 && context_lens.dtype() == mx::int32 &&
             query_start_loc.dtype() == mx::int32,
         "block_table, context_lens and query_start_loc must be int32");
@@ -360,8 +382,9 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
   check(k_new.ndim() == 3 && v_new.shape() == k_new.shape() &&
             k_new.shape(1) == k_pages.shape(2) && k_new.shape(2) == k_pages.shape(3),
         "new rows must be [T, Hkv, D] matching the pages");
-  check(k_new.dtype() == k_pages.dtype() && v_new.dtype() == v_pages.dtype(),
-        "new rows must have the pages' dtype");
+  check(k_new.dtype() == k_pages.dtype() && v_new.dtype() == v_pages.dtype() &&
+            v_pages.dtype() == k_pages.dtype(),
+        "pools and new rows must share one dtype");
   check(slot_mapping.dtype() == mx::int32 && slot_mapping.ndim() == 1 &&
             slot_mapping.shape(0) == k_new.shape(0),
         "slot_mapping must be int32 [T]");
@@ -378,11 +401,11 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
     return {write(k_pages, k_new), write(v_pages, v_new)};
   }
   auto c = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
-  auto outs = mx::array::make_arrays(
-      {k_pages.shape(), v_pages.shape()}, {k_pages.dtype(), v_pages.dtype()},
-      std::make_shared<PagedKVWrite>(stream),
-      {k_pages, v_pages, c(k_new), c(v_new), c(slot_mapping)});
-  return {outs[0], outs[1]};
+  auto write = [&](const mx::array& pages, const mx::array& rows_new) {
+    return mx::array(pages.shape(), pages.dtype(), std::make_shared<PagedKVWrite>(stream),
+                     {pages, c(rows_new), c(slot_mapping)});
+  };
+  return {write(k_pages, k_new), write(v_pages, v_new)};
 }
 
 }  // namespace tiny_llm

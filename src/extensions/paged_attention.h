@@ -57,6 +57,7 @@ class PagedAttention : public mx::Primitive {
   float scale_;
 };
 
+// Inputs: one pool, its new rows, the slot mapping. Output: the pool after the write.
 class PagedKVWrite : public mx::Primitive {
  public:
   explicit PagedKVWrite(mx::Stream stream) : mx::Primitive(stream) {}

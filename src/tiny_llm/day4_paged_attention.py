@@ -56,11 +56,11 @@ def check_metadata(
             f"k_pages {k_pages.shape}, v_pages {v_pages.shape}"
         )
     num_pages, page_size, n_kv_heads, head_dim = k_pages.shape
-    if q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
+    if n_kv_heads < 1 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages with {n_kv_heads} KV heads of {head_dim}")
     if head_dim % 8 or not 8 <= head_dim <= 256:
         raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {head_dim}")
-    if page_size & (page_size - 1) or page_size > 256:
+    if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
         raise ValueError(f"page_size must be a power of two <= 256, got {page_size}")
     floats = (mx.float32, mx.float16, mx.bfloat16)
     if q.dtype not in floats or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
@@ -160,9 +160,10 @@ def paged_attention_reference(
         pages = mx.maximum(rows_table[:, j], 0)  # -1 (unused) is masked below
         k = k_pages[pages].astype(mx.float32)  # [T, page_size, Hkv, D]
         v = v_pages[pages].astype(mx.float32)
-        scores = mx.einsum("thgd,tshd->thgs", qg, k)
-        visible = (j * page_size + slot_pos)[None, None, None, :] <= limit
-        scores = mx.where(visible, scores, -mx.inf)
+        visible = (j * page_size + slot_pos)[None, None, None, :] <= limit  # [T, 1, 1, S]
+        # Mask V too: p is 0 at hidden slots, but 0 * NaN (garbage in a slot) is NaN.
+        v = mx.where(visible.reshape(T, page_size, 1, 1), v, 0.0)
+        scores = mx.where(visible, mx.einsum("thgd,tshd->thgs", qg, k), -mx.inf)
         new_m = mx.maximum(m, scores.max(axis=-1, keepdims=True))
         correction = mx.exp(m - new_m)
         p = mx.exp(scores - new_m)

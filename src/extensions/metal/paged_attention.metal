@@ -475,3 +475,7 @@ template [[host_name("paged_attention_half_64_1")]] [[kernel]]
 decltype(paged_attention<half, 64, 1>) paged_attention<half, 64, 1>;
 template [[host_name("paged_attention_float_96_8")]] [[kernel]]
 decltype(paged_attention<float, 96, 8>) paged_attention<float, 96, 8>;
+template [[host_name("paged_attention_float_64_1")]] [[kernel]]
+decltype(paged_attention<float, 64, 1>) paged_attention<float, 64, 1>;
+template [[host_name("paged_attention_half_128_4")]] [[kernel]]
+decltype(paged_attention<half, 128, 4>) paged_attention<half, 128, 4>;
