@@ -33,6 +33,7 @@ namespace {
 std::atomic<int> g_pool_copies{0};
 std::atomic<int> g_num_threads{0};
 
+// ANCHOR: cpu_threads
 // Runs fn(0..n-1) on up to the machine's threads; spawning costs tens of microseconds,
 // so small jobs stay on the calling thread.
 void parallel_for(int n, double flops_per_item, const std::function<void(int)>& fn) {
@@ -53,6 +54,7 @@ void parallel_for(int n, double flops_per_item, const std::function<void(int)>& 
   worker();
   for (auto& th : pool) th.join();
 }
+// ANCHOR_END: cpu_threads
 
 struct Geometry {
   int num_seqs, max_pages, n_heads, n_kv_heads, head_dim, page_size;
@@ -118,6 +120,7 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
     for (int x = 0; x < G * D; ++x)
       qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
   std::fill(m, m + R, -FLT_MAX);
+  // ANCHOR: cpu_tile_walk
   const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
   for (int start = 0, j = 0; start < num_keys; start += ps, ++j) {
     const int n = std::min(ps, num_keys - start);
@@ -145,6 +148,7 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
       }
     }
   }
+  // ANCHOR_END: cpu_tile_walk
   for (int r = 0; r < rows; ++r)
     for (int gi = 0; gi < G; ++gi) {
       const int x = r * G + gi;
@@ -186,6 +190,7 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
 }
 // ANCHOR_END: cpu_schedules
 
+// ANCHOR: cpu_dispatch
 template <typename T>
 void dispatch_attention(mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in,
                         mx::array& out, const Geometry& g) {
@@ -195,6 +200,7 @@ void dispatch_attention(mx::cpu::CommandEncoder& enc, const std::vector<mx::arra
     paged_attention_cpu<T>(q, k, v, table, ctx, qsl, o, g);
   });
 }
+// ANCHOR_END: cpu_dispatch
 
 // Row-major copy of a strided array (element strides), one element at a time.
 void copy_strided(const char* src, char* dst, const mx::Shape& shape,
@@ -225,6 +231,7 @@ int pool_copies() { return g_pool_copies.load(); }
 
 void set_num_threads(int n) { g_num_threads.store(n); }
 
+// ANCHOR: cpu_eval
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                               std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
@@ -250,6 +257,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
   // kernel compiled by MLX's fast::metal_kernel (see paged_attention_metal below).
   throw std::runtime_error("PagedAttention: GPU streams use the JIT Metal kernel");
 }
+// ANCHOR_END: cpu_eval
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == static_cast<const PagedAttention&>(other).scale_;
@@ -298,6 +306,7 @@ void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 
 namespace {
 
+// ANCHOR: metal_jit
 #include "paged_attention_metal_source.h"  // kMetalSource: metal/paged_attention.metal
 
 mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
@@ -344,9 +353,11 @@ mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
       false, stream);
   return outs[0];
 }
+// ANCHOR_END: metal_jit
 
 }  // namespace
 
+// ANCHOR: op_entry
 mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                           const mx::array& v_pages, const mx::array& block_table,
                           const mx::array& context_lens, const mx::array& query_start_loc,
@@ -407,5 +418,6 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
   };
   return {write(k_pages, k_new), write(v_pages, v_new)};
 }
+// ANCHOR_END: op_entry
 
 }  // namespace tiny_llm
