@@ -25,18 +25,18 @@ def causal_attention(
     T, n_heads, D = q.shape
     S, n_kv_heads, _ = k.shape
     group = n_heads // n_kv_heads
-    # GQA: the `group` query heads of one KV head attend together, so each K/V row is
-    # read once per group instead of once per query head.
+    # GQA: the `group` query heads of one KV head are stacked as rows of one matmul
+    # against that head's keys, so each K/V row is read once per group (and the matmul
+    # is G times taller, which BLAS runs far better than G broadcast ones).
     qg = q.reshape(T, n_kv_heads, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
-    kt = k.transpose(1, 2, 0)[:, None]  # [Hkv, 1, D, S]
-    vt = v.transpose(1, 0, 2)[:, None]  # [Hkv, 1, S, D]
-    scores = (qg * scale) @ kt  # [Hkv, G, T, S]
+    qg = qg.reshape(n_kv_heads, group * T, D)
+    scores = (qg * scale) @ k.transpose(1, 2, 0)  # [Hkv, G*T, S]
     q_pos = mx.arange(q_start, q_start + T)[:, None]
     visible = mx.arange(S)[None, :] <= q_pos  # [T, S]
-    scores = mx.where(visible, scores.astype(mx.float32), -mx.inf)
-    probs = mx.softmax(scores, axis=-1).astype(v.dtype)
-    out = probs @ vt  # [Hkv, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(T, n_heads, D)
+    scores = scores.reshape(n_kv_heads, group, T, S).astype(mx.float32)
+    probs = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(v.dtype)
+    out = probs.reshape(n_kv_heads, group * T, S) @ v.transpose(1, 0, 2)  # [Hkv, G*T, D]
+    return out.reshape(n_kv_heads, group, T, D).transpose(2, 0, 1, 3).reshape(T, n_heads, D)
 # ANCHOR_END: causal_attention
 
 
