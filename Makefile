@@ -34,6 +34,7 @@ $(NATIVE)/.ext-built: $(EXT_SOURCES) $(STAMP)
 	$(VENV)/bin/cmake -S src/extensions -B build/ext -DPython_EXECUTABLE=$(abspath $(PY)) \
 		-DCMAKE_BUILD_TYPE=Release > build-ext.log 2>&1 || (cat build-ext.log; exit 1)
 	$(VENV)/bin/cmake --build build/ext -j2 >> build-ext.log 2>&1 || (cat build-ext.log; exit 1)
+	rm -f $(NATIVE)/_ext*.so  # a new file, not an overwrite: running processes keep theirs
 	cp build/ext/_ext*.so $(NATIVE)/
 	touch $@
 

@@ -14,8 +14,10 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -34,25 +36,75 @@ std::atomic<int> g_pool_copies{0};
 std::atomic<int> g_num_threads{0};
 
 // ANCHOR: cpu_threads
-// Runs fn(0..n-1) on up to the machine's threads; spawning costs tens of microseconds,
-// so small jobs stay on the calling thread.
+// Worker threads that live as long as the process: a kernel runs once per layer per
+// step, and spawning threads for each call cost more than small calls take.
+class WorkerPool {
+ public:
+  static WorkerPool& instance() {
+    static WorkerPool* pool = new WorkerPool();  // never destroyed: workers may be waiting
+    return *pool;
+  }
+
+  // Runs fn(0..n-1) on `threads` threads, the calling one included.
+  void run(int n, int threads, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> one_job(job_mutex_);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(workers_.size()) < threads - 1) {
+        const int id = static_cast<int>(workers_.size());
+        workers_.emplace_back([this, id] { serve(id); });
+      }
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      helpers_ = pending_ = threads - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+ private:
+  void drain() {
+    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
+  }
+
+  void serve(int id) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (id >= helpers_) continue;
+      lock.unlock();
+      drain();
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex job_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* fn_ = nullptr;
+  std::atomic<int> next_{0};
+  int n_ = 0, helpers_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// Runs fn(0..n-1) on up to the machine's threads; small jobs stay on the calling thread.
 void parallel_for(int n, double flops_per_item, const std::function<void(int)>& fn) {
   int hw = g_num_threads.load();
   if (hw <= 0) hw = std::max(1u, std::thread::hardware_concurrency());
   const double total = n * flops_per_item;
-  int threads = std::min({hw, n, std::max(1, static_cast<int>(total / 2e5))});
+  const int threads = std::min({hw, n, std::max(1, static_cast<int>(total / 2e5))});
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::atomic<int> next{0};
-  auto worker = [&] {
-    for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  WorkerPool::instance().run(n, threads, fn);
 }
 // ANCHOR_END: cpu_threads
 
