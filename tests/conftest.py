@@ -6,13 +6,7 @@ with the real SmolLM2 tokenizer read from the installed GGUF file, so stop strin
 streaming text behave as they do with a real model.
 """
 
-import os
-
-# OpenBLAS threads spin while they wait; on a loaded 2-core machine that made a
-# 40-token prefill 20x slower. Tests check numbers, not speed: one thread is enough.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-import tiny_llm  # noqa: E402, F401  (side effect: loads the OpenBLAS shim first)
+import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.tokenizer import Tokenizer
 

@@ -6,6 +6,11 @@ The ``mlx[cpu]`` wheel links a reference BLAS. ``make setup`` builds a tiny shim
 puts its symbol ahead of the wheel's BLAS, so every float32 matmul MLX runs on the CPU
 goes through OpenBLAS (about 50x faster on the development machine).
 
+OpenBLAS runs on one thread unless ``OPENBLAS_NUM_THREADS`` says otherwise: its worker
+threads spin while they wait, and next to MLX's own stream thread and the kernels' workers
+that collapsed throughput on the 2-core development machine (SmolLM2, 512-token prefill
+188 vs 61 tok/s, batch-1 decode 11.3 vs 0.9 tok/s, one vs two threads, side by side).
+
 Invariant: ``load_openblas()`` runs before the first ``import mlx.core`` in the process;
 ``tiny_llm/__init__.py`` calls it first thing.
 """
@@ -37,6 +42,7 @@ def load_openblas() -> bool:
                 stacklevel=2,
             )
         elif SHIM_PATH.exists():
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # read when OpenBLAS loads
             ctypes.CDLL(str(SHIM_PATH), mode=os.RTLD_GLOBAL)
             loaded = True
         else:
