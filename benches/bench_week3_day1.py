@@ -28,139 +28,31 @@ within a round, in alternating order, so a noisy neighbour hurts both alike):
 The figure is the slot-occupancy timeline of both policies (x: step, y: slot of the dense
 KV cache, read from ``engine.kv.slot_of``; colour: request; white: idle slot).
 
-On a shared 2-core machine run with ``OPENBLAS_NUM_THREADS=1``: with OpenBLAS's default two
-threads, a busy neighbour makes its spinning threads 5-10x slower and very noisy.
+OpenBLAS runs on one thread (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is set):
+with two threads on a shared 2-core machine, a busy neighbour makes its spinning threads
+5-10x slower and very noisy.
 
-    OPENBLAS_NUM_THREADS=1 python benches/bench_week3_day1.py          # ~2-3 minutes
-    OPENBLAS_NUM_THREADS=1 python benches/bench_week3_day1.py --quick  # tiny random model
-
-The helpers ``load_model``, ``percentile`` and ``Recorder`` are shared with
-``bench_week3_day2.py``.
+    python benches/bench_week3_day1.py          # ~2-3 minutes
+    python benches/bench_week3_day1.py --quick  # tiny random model
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
-from collections import defaultdict
 from typing import Any
 
 from tiny_llm.day1_batching import continuous_batching_steps, static_batching_steps
 from tiny_llm.engine import LLMEngine
-from tiny_llm.loader import default_model_path, load
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.request import RequestOutput
-from tiny_llm.sampling import SamplingParams
-from tiny_llm.tokenizer import Tokenizer
 
-import mlx.core as mx
 import numpy as np
-from common import Table, save_results
-from mlx.utils import tree_flatten
+from common import Recorder, Table, greedy, load_model, percentile, save_results
 
 POLICIES = ("static", "continuous")
 MAX_NUM_SEQS = 8
 BUDGET = 4096  # never binds: 8 prompts of at most 96 tokens, plus decodes
-
-
-# ANCHOR: shared_helpers
-def load_model(quick: bool) -> tuple[Model, Tokenizer, str]:
-    """The default model (SmolLM2-135M, float32 on the CPU) or, with ``quick``, a tiny
-    random Llama-shaped model with the same tokenizer (built here, never downloaded)."""
-    if not quick:
-        model, tokenizer = load()
-        return model, tokenizer, "SmolLM2-135M-Instruct (float32)"
-    _, meta = mx.load(str(default_model_path()), return_metadata=True)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
-    config = ModelConfig.from_hf(
-        dict(
-            model_type="llama",
-            vocab_size=49152,
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-            max_position_embeddings=4096,
-        )
-    )
-    model = Model(config)
-    mx.random.seed(0)
-    model.load_weights(
-        [(k, 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())]
-    )
-    mx.eval(model.parameters())
-    return model, tokenizer, "tiny random llama (2 layers, hidden 64)"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-class Recorder:
-    """Wall-clock arrival, token and finish times per request, taken around
-    ``engine.step()``; plus, per step, which slot each token came from."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.arrival: dict[str, float] = {}
-        self.token_times: dict[str, list[float]] = defaultdict(list)
-        self.finish: dict[str, float] = {}
-        self.slot: dict[str, int] = {}  # last known slot of each request (dense KV)
-        self.step_slots: list[dict[int, str]] = []  # per step: slot -> request that got a token
-        self.start: float | None = None
-        self.end: float | None = None
-
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
-        now = time.perf_counter()
-        rid = self.engine.add_request({"prompt_token_ids": prompt_ids}, params)
-        self.arrival[rid] = now
-        return rid
-
-    def step(self) -> list[RequestOutput]:
-        if self.start is None:
-            self.start = time.perf_counter()
-        outputs = self.engine.step()
-        now = self.end = time.perf_counter()
-        # A request admitted in this step is in slot_of now; one that finished in this step
-        # left it, but its slot is known from an earlier step (every request decodes > 1 step).
-        for request, slot in getattr(self.engine.kv, "slot_of", {}).items():
-            self.slot[request.request_id] = slot
-        slots = {}
-        for out in outputs:
-            if out.new_token_ids:
-                self.token_times[out.request_id] += [now] * len(out.new_token_ids)
-                if out.request_id in self.slot:
-                    slots[self.slot[out.request_id]] = out.request_id
-            if out.finished:
-                self.finish[out.request_id] = now
-        self.step_slots.append(slots)
-        return outputs
-
-    @property
-    def wall(self) -> float:
-        return self.end - self.start
-
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.token_times.values())
-
-    def ttft(self, rids: list[str] | None = None) -> list[float]:
-        rids = self.arrival if rids is None else rids
-        return [self.token_times[r][0] - self.arrival[r] for r in rids if self.token_times[r]]
-
-    def latency(self) -> list[float]:
-        return [self.finish[r] - self.arrival[r] for r in self.finish]
-
-    def gaps(self, rids: list[str] | None = None) -> list[float]:
-        """Wall-clock gaps between consecutive tokens of each request (inter-token latency)."""
-        rids = self.arrival if rids is None else rids
-        return [float(g) for r in rids for g in np.diff(self.token_times[r])]
-# ANCHOR_END: shared_helpers
 
 
 def workload(n: int, quick: bool, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -191,7 +83,7 @@ def run_policy(model, tokenizer, policy, prompts, out_lens) -> tuple[dict[str, A
     engine = make_engine(model, tokenizer, policy)
     rec = Recorder(engine)
     for prompt, n in zip(prompts, out_lens, strict=True):
-        rec.add(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        rec.add(prompt, greedy(n))
     while engine.has_unfinished_requests():
         rec.step()
     steps = engine.stats()["num_steps"]
@@ -344,7 +236,6 @@ def main() -> None:
         "model": model_name,
         "quick": args.quick,
         "repeats": repeats,
-        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "config": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET,
                    "enable_chunked_prefill": False, "kv_cache": "dense"},
         "workload": {"prompt_lens": [len(p) for p in prompts], "output_lens": out_lens,

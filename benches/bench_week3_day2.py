@@ -29,32 +29,29 @@ Times are ``time.perf_counter()`` taken when ``engine.step()`` returns each toke
 plots the trade-off: budget (log x axis) against max decode gap / ITL p99 and the long
 prompt's TTFT.
 
-On a shared 2-core machine run with ``OPENBLAS_NUM_THREADS=1`` (see ``bench_week3_day1``).
+OpenBLAS runs on one thread (``tiny_llm``'s default; see ``bench_week3_day1``).
 
-    OPENBLAS_NUM_THREADS=1 python benches/bench_week3_day2.py          # one round, ~2-5 min
-    OPENBLAS_NUM_THREADS=1 python benches/bench_week3_day2.py --repeats 2  # ~4-10 min
+    python benches/bench_week3_day2.py          # one round, ~2-5 min
+    python benches/bench_week3_day2.py --repeats 2  # ~4-10 min
 
 One round takes about 1.6 minutes of CPU time; on the shared development machine (load
 average 5-10 from other jobs) it took 4-5 minutes of wall time, so a full run defaults to
 one round (``--quick`` to three).
-    OPENBLAS_NUM_THREADS=1 python benches/bench_week3_day2.py --quick  # tiny random model
+    python benches/bench_week3_day2.py --quick  # tiny random model
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
 from typing import Any
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling import SamplingParams
 
 import numpy as np
-from bench_week3_day1 import Recorder, load_model, percentile
-from common import Table, save_results
+from common import Recorder, Table, greedy, load_model, percentile, save_results
 
 BUDGETS: tuple[int | None, ...] = (16, 32, 64, 128, 256, None)  # None: unlimited, no chunking
 UNLIMITED = 4096
@@ -90,17 +87,14 @@ def run_budget(model, tokenizer, budget, decoder_prompts, long_prompt) -> dict[s
         kv_cache="dense",
     )
     rec = Recorder(engine)
-    decode_params = SamplingParams(temperature=0.0, max_tokens=DECODER_MAX_TOKENS,
-                                   ignore_eos=True)
-    decoders = [rec.add(p, decode_params) for p in decoder_prompts]
+    decoders = [rec.add(p, greedy(DECODER_MAX_TOKENS)) for p in decoder_prompts]
     long_id, arrival_step, first_step = None, 0, 0
     while long_id is None or long_id not in rec.finish:
         rec.step()
         if long_id is not None and not first_step and rec.token_times[long_id]:
             first_step = engine.stats()["num_steps"]
         if long_id is None and all(len(rec.token_times[r]) >= WARM_TOKENS for r in decoders):
-            params = SamplingParams(temperature=0.0, max_tokens=LONG_OUTPUT, ignore_eos=True)
-            long_id = rec.add(long_prompt, params)
+            long_id = rec.add(long_prompt, greedy(LONG_OUTPUT))
             arrival_step = engine.stats()["num_steps"]
     if any(r in rec.finish for r in decoders):
         raise RuntimeError("a decoder finished before the long request; raise its max_tokens")
@@ -242,7 +236,6 @@ def main() -> None:
         "model": model_name,
         "quick": args.quick,
         "repeats": repeats,
-        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "config": {"max_num_seqs": MAX_NUM_SEQS, "kv_cache": "dense",
                    "scheduler": "continuous", "unlimited_budget": UNLIMITED},
         "workload": {"decoder_prompt_lens": [len(p) for p in decoder_prompts],

@@ -51,13 +51,11 @@ from tiny_llm.day3_paged_kv import (
 )
 from tiny_llm.engine import EngineConfig, LLMEngine
 from tiny_llm.kv_cache import causal_attention
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.sampling import SamplingParams
-from tiny_llm.tokenizer import IncrementalDetokenizer
+from tiny_llm.model import Model
 
 import mlx.core as mx
 import numpy as np
-from common import Table, measure, save_results
+from common import Table, greedy, lap, load_model, measure, percentile, save_results
 
 NAME = "bench_week3_day3"
 PAGE_SIZE = 16
@@ -113,42 +111,11 @@ QUICK = dict(
 # ------------------------------------------------------------------ models and engines
 
 
-class StubTokenizer:
-    """What the engine needs from a tokenizer when prompts are token ids (quick mode)."""
-
-    eos_token_ids: set[int] = set()
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(lambda ids: "")
-
-
-def tiny_model(vocab_size: int = 512, seed: int = 0) -> Model:
-    """A random float32 Llama-style model (the shape of tests/conftest.py's tiny model)."""
-    from mlx.utils import tree_flatten, tree_map
-
-    config = ModelConfig.from_hf(dict(
-        model_type="llama", vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-    ))
-    model = Model(config)
-    mx.random.seed(seed)
-    model.load_weights([(k, mx.random.normal(v.shape) * 0.2)
-                        for k, v in tree_flatten(model.parameters())])
-    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 def gather_option() -> dict[str, str]:
     """Day 3's attention path: the engine gathers K/V per sequence. (Day 4 adds an
     ``attention`` option whose default is its kernel; pin Day 3's path if it exists.)"""
     names = {f.name for f in fields(EngineConfig)}
     return {"attention": "gather"} if "attention" in names else {}
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def random_prompts(rng: random.Random, n: int, lens: tuple[int, int],
@@ -395,7 +362,7 @@ def prefix_sharing(model: Model, tokenizer: Any, sz: dict[str, Any]) -> tuple[di
         s = run.engine.stats()
         ttft = sorted(run.first_token_at.values())
         d = dict(
-            ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
+            ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
             prompt_tokens=sum(map(len, prompts)),
             prompt_tokens_computed=s["num_prompt_tokens_computed"],
             hit_rate=s["prefix_cache_hit_tokens"] / max(1, s["prefix_cache_query_tokens"]),
@@ -642,34 +609,21 @@ def main() -> None:
     sz = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-
-    def lap(name: str, since: float) -> float:
-        now = time.perf_counter()
-        timings[name] = now - since
-        print(f"[{name}: {now - since:.1f} s]", flush=True)
-        return now
-
-    if args.quick:
-        model, tokenizer, model_name = tiny_model(), StubTokenizer(), "tiny random model"
-    else:
-        from tiny_llm.loader import load
-
-        model, tokenizer = load()
-        model_name = "SmolLM2-135M (float32)"
+    model, tokenizer, model_name = load_model(args.quick, vocab_size=512)
     warm_up(model, tokenizer)
-    t = lap("load+warmup", t_start)
+    t = lap(timings, "load+warmup", t_start)
 
     frag_data, frag_table = fragmentation(sz)
     sim_rows = sweep_simulated(sz)
-    t = lap("fragmentation+simulation", t)
+    t = lap(timings, "fragmentation+simulation", t)
     write_data, write_table = write_cost(sz)
-    t = lap("page write", t)
+    t = lap(timings, "page write", t)
     gather_data, gather_table = gather_cost(sz)
-    t = lap("gather", t)
+    t = lap(timings, "gather", t)
     prefix_data, prefix_table = prefix_sharing(model, tokenizer, sz)
-    t = lap("prefix caching", t)
+    t = lap(timings, "prefix caching", t)
     sweep_rows = sweep_engine(model, tokenizer, sz)
-    t = lap("memory-capped sweep", t)
+    t = lap(timings, "memory-capped sweep", t)
 
     tables = [*sweep_tables(sweep_rows, sim_rows, sz, model_name), frag_table, prefix_table,
               gather_table, write_table]

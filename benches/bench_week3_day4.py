@@ -45,8 +45,9 @@ interleaved (the order rotates from repeat to repeat), reporting medians and rat
 
 BLAS: MLX's float32 GEMM goes through OpenBLAS (``tiny_llm`` interposes it); on a shared
 2-core machine its default two spinning threads make small GEMMs (and so ``mx.fast``) 2-10x
-slower and very noisy, so unless ``OPENBLAS_NUM_THREADS`` is set this script sets OpenBLAS
-to one thread at start. The extension's kernels use all hardware threads (its default).
+slower and very noisy, so OpenBLAS runs on one thread (``tiny_llm``'s default unless
+``OPENBLAS_NUM_THREADS`` is set). The extension's kernels use all hardware threads (its
+default).
 
     python benches/bench_week3_day4.py          # ~6-8 minutes on 2 shared cores
     python benches/bench_week3_day4.py --quick  # < 1 minute; tiny random model in part 3
@@ -55,7 +56,6 @@ to one thread at start. The extension's kernels use all hardware threads (its de
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import os
 import random
@@ -73,12 +73,10 @@ from tiny_llm.day4_paged_attention import (
 )
 from tiny_llm.engine import LLMEngine
 from tiny_llm.kv_cache import causal_attention
-from tiny_llm.sampling import SamplingParams
 
 import mlx.core as mx
 import numpy as np
-from bench_week3_day1 import load_model
-from common import Table, Timing, save_results
+from common import Table, Timing, greedy, load_model, openblas_threads, save_results
 
 # SmolLM2-135M's attention geometry.
 N_HEADS, N_KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -104,17 +102,6 @@ SERVE_CONFIGS = {
                                             kernel_threads=1),
 }
 MAX_NUM_SEQS = 8
-
-
-def single_thread_blas() -> str:
-    """OpenBLAS to one thread unless the user chose (see the module docstring)."""
-    if "OPENBLAS_NUM_THREADS" in os.environ:
-        return f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']} (environment)"
-    setter = getattr(ctypes.CDLL(None), "scipy_openblas_set_num_threads", None)
-    if setter is None:
-        return "OpenBLAS thread count not set (scipy_openblas_set_num_threads not found)"
-    setter(1)
-    return "1 (set by this script)"
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int,
@@ -375,9 +362,8 @@ class ServeRun:
         engine.kv.batch = spy
         pool = getattr(engine.kv, "pool", None)
         self.layer_pool_bytes = pool.k[0].nbytes if pool is not None else 0
-        self.ids = [engine.add_request({"prompt_token_ids": p}, SamplingParams(
-            temperature=0.0, max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts, max_tokens, strict=True)]
+        self.ids = [engine.add_request({"prompt_token_ids": p}, greedy(n))
+                    for p, n in zip(prompts, max_tokens, strict=True)]
         self.tokens: dict[str, list[int]] = {i: [] for i in self.ids}
         self.steps: list[dict[str, Any]] = []
 
@@ -564,7 +550,7 @@ def main() -> None:
                     help="timed repeats per point (default 7; quick: 3)")
     args = ap.parse_args()
     faulthandler.enable()
-    blas_threads = single_thread_blas()
+    blas_threads = openblas_threads()
     t_start = time.perf_counter()
     repeats = args.repeats or (3 if args.quick else 7)
     warmup = 1
@@ -627,7 +613,7 @@ def main() -> None:
             + f". All paths agree with the kernel to {worst_err:.1e} (max abs). The kernel "
             f"uses up to {threads} threads (spawned per call when the work is large enough); "
             "'kernel 1 thread' is the same op with extension().set_num_threads(1); MLX ops "
-            f"run on one thread, OpenBLAS on {blas_threads}."
+            f"run on one thread, OpenBLAS on {blas_threads} thread(s)."
         ),
     ))
     write_rows = []

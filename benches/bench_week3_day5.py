@@ -91,20 +91,16 @@ interleaved, and ratios are taken within the run.
    step's matmuls alone (all linear layers at the step's token count and the tied
    vocabulary projection at one row per sampled sequence): how much of the forward is GEMM.
 
-OpenBLAS runs with one thread (``OPENBLAS_NUM_THREADS=1`` set here before ``tiny_llm`` loads
-it, unless already set): on a shared 2-core machine its spinning threads make runs 5-10x
-slower and noisy. The script loads a private copy of the built extension (its sha256 is
-recorded) so that a rebuild of ``src/extensions`` during the run cannot crash it.
+OpenBLAS runs with one thread (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is
+set): on a shared 2-core machine its spinning threads make runs 5-10x slower and noisy. The
+script loads a private copy of the built extension (its sha256 is recorded) so that a
+rebuild of ``src/extensions`` during the run cannot crash it.
 
     python benches/bench_week3_day5.py           # SmolLM2-135M, 5-10 minutes on 2 cores
     python benches/bench_week3_day5.py --quick   # tiny random model, writes *_quick.*
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # read when tiny_llm loads OpenBLAS
 
 import argparse
 import hashlib
@@ -126,13 +122,20 @@ from tiny_llm.day4_paged_attention import (
     paged_attention_reference,
 )
 from tiny_llm.engine import LLMEngine
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.model import Model
 from tiny_llm.tokenizer import IncrementalDetokenizer
 
 import mlx.core as mx
 import numpy as np
-from common import Table, save_results
+from common import (
+    Table,
+    greedy,
+    lap,
+    load_model,
+    mlx_lm_model,
+    percentile,
+    save_results,
+)
 from mlx.utils import tree_flatten
 
 NAME = "bench_week3_day5"
@@ -241,53 +244,6 @@ class StubTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return ""
-
-
-def load_model(quick: bool) -> tuple[Model, str]:
-    if not quick:
-        from tiny_llm.loader import load
-
-        model, _ = load()
-        return model, "SmolLM2-135M-Instruct (float32)"
-    config = ModelConfig.from_hf(dict(
-        model_type="llama", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ))
-    model = Model(config)
-    mx.random.seed(0)
-    model.load_weights([(k, 0.2 * mx.random.normal(v.shape))
-                        for k, v in tree_flatten(model.parameters())])
-    mx.eval(model.parameters())
-    return model, "tiny random llama (2 layers, hidden 64)"
-
-
-def mlx_lm_model(model: Model):
-    """mlx-lm's llama holding the very arrays our model holds (as tests/test_loader.py)."""
-    from mlx_lm.models import llama
-
-    c = model.config
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
-        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, rope_theta=c.rope_theta,
-        rope_traditional=c.rope_traditional, max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
-    ref = llama.Model(args)
-    ref.load_weights(tree_flatten(model.parameters()))  # strict: same names and shapes
-    mx.eval(ref.parameters())
-    return ref
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 # ------------------------------------------------------------------ 1. prefill attention
@@ -665,8 +621,8 @@ def summarize(run: Any, ids: list[Any]) -> dict[str, Any]:
     generated = sum(len(run.token_times[i]) for i in ids)
     last = max(run.token_times[i][-1] for i in ids)
     return dict(tok_per_s=generated / last, seconds=last, generated=generated,
-                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), itl_p50=pct(gaps, 50),
-                itl_p99=pct(gaps, 99), steps=len(run.steps))
+                ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+                itl_p50=percentile(gaps, 50), itl_p99=percentile(gaps, 99), steps=len(run.steps))
 
 
 def breakdown(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -909,30 +865,22 @@ def main() -> None:
     sz = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-
-    def lap(name: str, since: float) -> float:
-        now = time.perf_counter()
-        timings[name] = now - since
-        print(f"[{name}: {now - since:.1f} s]", flush=True)
-        return now
-
     ext_info = pin_extension()
-    model, model_name = load_model(args.quick)
+    model, _, model_name = load_model(args.quick, vocab_size=512, tie_word_embeddings=True)
     tokenizer = StubTokenizer()
     warm = LLMEngine(model, tokenizer, max_num_seqs=4, max_model_len=512, num_pages=64)
     warm.generate([list(range(1, 100)), list(range(5, 60))], greedy(4), use_tqdm=False)
-    t = lap("load+warmup", t_start)
+    t = lap(timings, "load+warmup", t_start)
 
     attn_data, attn_table = prefill_attention(sz)
-    t = lap("prefill attention", t)
+    t = lap(timings, "prefill attention", t)
     ttft_data, ttft_table = ttft_long(model, tokenizer, sz)
-    t = lap("TTFT long prompts", t)
+    t = lap(timings, "TTFT long prompts", t)
     prog_data, prog_tables = progression(model, tokenizer, sz)
-    t = lap("progression", t)
+    t = lap(timings, "progression", t)
 
     timings["total"] = time.perf_counter() - t_start
     data = dict(model=model_name, sizes=sz, page_size=PAGE_SIZE, extension=ext_info,
-                openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS"),
                 kv_bytes_per_token=kv_bytes_per_token(model.config, model.dtype),
                 prefill_attention=attn_data, ttft_long=ttft_data, progression=prog_data,
                 seconds=timings)

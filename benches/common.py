@@ -1,4 +1,4 @@
-"""Conventions shared by every measurement script in ``benches/``.
+"""Conventions and helpers shared by every measurement script in ``benches/``.
 
 - Import this module (or ``tiny_llm``) before anything that imports ``mlx.core``: importing
   ``tiny_llm`` is what interposes OpenBLAS, and that only works before MLX is loaded.
@@ -7,11 +7,18 @@
 - ``save_results(name, data, tables, figure)`` writes ``benchmark_results/<name>.json`` (the
   data, the tables and the environment), ``<name>.md`` (the tables rendered from that JSON,
   which the book includes, so no number in the book is typed by hand) and ``<name>.png``.
-- ``--quick`` (a short smoke run) and ``--repeats N`` are per-script options.
+- ``--quick`` (a short smoke run) and ``--repeats N`` are per-script options; with
+  ``--quick``, ``load_model`` builds a tiny random model instead of loading SmolLM2.
+- Shared pieces: ``load_model``, ``mlx_lm_model`` (mlx-lm's Llama on our arrays),
+  ``greedy``, ``percentile``, ``Recorder`` (wall-clock token times per request), ``lap``
+  (phase timings) and ``openblas_threads``.
+- OpenBLAS threads: ``tiny_llm`` sets ``OPENBLAS_NUM_THREADS=1`` unless it is already set;
+  ``environment()`` records the variable and the thread count OpenBLAS reports.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -20,15 +27,25 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # tiny_llm interposes OpenBLAS on import; mlx.core is imported after it, inside functions,
 # so that no import sorting can ever put MLX first.
 from tiny_llm.blas import openblas_loaded
+from tiny_llm.sampling import SamplingParams
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.model import Model
+    from tiny_llm.request import RequestOutput
+    from tiny_llm.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +79,165 @@ def measure(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5) -> Timing:
         times.append(time.perf_counter() - start)
     return Timing(statistics.median(times), min(times), times)
 # ANCHOR_END: measure
+
+
+def lap(timings: dict[str, float], name: str, since: float) -> float:
+    """Record (and print) the seconds since ``since`` as phase ``name``; returns now."""
+    now = time.perf_counter()
+    timings[name] = now - since
+    print(f"[{name}: {now - since:.1f} s]", flush=True)
+    return now
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+# ---------------------------------------------------------------- OpenBLAS threads
+
+
+def openblas_threads() -> int | None:
+    """OpenBLAS's thread count, if the shim (and so scipy-openblas32) is loaded."""
+    if not openblas_loaded():
+        return None
+    try:
+        return ctypes.CDLL(None).scipy_openblas_get_num_threads()
+    except AttributeError:
+        return None
+
+
+# ---------------------------------------------------------------- models
+
+
+TINY_LLAMA = dict(
+    model_type="llama", vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+    intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+    rope_theta=10000.0, max_position_embeddings=4096,
+)
+
+
+def load_model(quick: bool, **tiny: Any) -> tuple[Model, Tokenizer, str]:
+    """The default model (SmolLM2-135M-Instruct, float32 on the CPU) or, with ``quick``, a
+    random float32 Llama-shaped model (``TINY_LLAMA``, changed by ``tiny``, e.g.
+    ``vocab_size=512``; built here, never downloaded) with the same tokenizer."""
+    from tiny_llm.loader import default_model_path, load
+    from tiny_llm.model import Model, ModelConfig
+    from tiny_llm.tokenizer import Tokenizer
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if not quick:
+        model, tokenizer = load()
+        return model, tokenizer, "SmolLM2-135M-Instruct (float32)"
+    _, meta = mx.load(str(default_model_path()), return_metadata=True)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    model = Model(ModelConfig.from_hf({**TINY_LLAMA, **tiny}))
+    mx.random.seed(0)
+    model.load_weights(
+        [(k, 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.parameters())]
+    )
+    mx.eval(model.parameters())
+    return model, tokenizer, "tiny random llama (2 layers, hidden 64)"
+
+
+def mlx_lm_model(model: Model) -> Any:
+    """mlx-lm's ``llama.Model`` built from our config and loaded with the very arrays our
+    model holds (same names and shapes, checked: ``strict``)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    c = model.config
+    if c.model_type != "llama":
+        raise ValueError(f"this builds mlx-lm's llama.Model, not {c.model_type!r}")
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_hidden_layers,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        attention_bias=c.attention_bias,
+        rope_theta=c.rope_theta,
+        rope_traditional=c.rope_traditional,
+        rope_scaling=c.rope_scaling,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    ref = llama.Model(args)
+    ref.load_weights(list(tree_flatten(model.parameters())), strict=True)
+    mx.eval(ref.parameters())
+    return ref
+
+
+# ---------------------------------------------------------------- requests
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy, exactly ``max_tokens`` new tokens (EOS ignored)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+class Recorder:
+    """Wall-clock arrival, token and finish times per request, taken around
+    ``engine.step()``; plus, per step, which slot each token came from."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.arrival: dict[str, float] = {}
+        self.token_times: dict[str, list[float]] = defaultdict(list)
+        self.finish: dict[str, float] = {}
+        self.slot: dict[str, int] = {}  # last known slot of each request (dense KV)
+        self.step_slots: list[dict[int, str]] = []  # per step: slot -> request that got a token
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        now = time.perf_counter()
+        rid = self.engine.add_request({"prompt_token_ids": prompt_ids}, params)
+        self.arrival[rid] = now
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        if self.start is None:
+            self.start = time.perf_counter()
+        outputs = self.engine.step()
+        now = self.end = time.perf_counter()
+        # A request admitted in this step is in slot_of now; one that finished in this step
+        # left it, but its slot is known from an earlier step (every request decodes > 1 step).
+        for request, slot in getattr(self.engine.kv, "slot_of", {}).items():
+            self.slot[request.request_id] = slot
+        slots = {}
+        for out in outputs:
+            if out.new_token_ids:
+                self.token_times[out.request_id] += [now] * len(out.new_token_ids)
+                if out.request_id in self.slot:
+                    slots[self.slot[out.request_id]] = out.request_id
+            if out.finished:
+                self.finish[out.request_id] = now
+        self.step_slots.append(slots)
+        return outputs
+
+    @property
+    def wall(self) -> float:
+        return self.end - self.start
+
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_times.values())
+
+    def ttft(self, rids: list[str] | None = None) -> list[float]:
+        rids = self.arrival if rids is None else rids
+        return [self.token_times[r][0] - self.arrival[r] for r in rids if self.token_times[r]]
+
+    def latency(self) -> list[float]:
+        return [self.finish[r] - self.arrival[r] for r in self.finish]
+
+
+# ---------------------------------------------------------------- results
 
 
 @dataclass
@@ -102,6 +278,8 @@ def environment() -> dict[str, Any]:
         "mlx_version": mlx_version,
         "mlx_device": str(mx.default_device()),
         "openblas_interposed": openblas_loaded(),
+        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "openblas_threads": openblas_threads(),  # what OpenBLAS reports now
         "git_commit": git("rev-parse", "--short", "HEAD"),
         "git_dirty": git("status", "--porcelain", "--untracked-files=no") != "",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
