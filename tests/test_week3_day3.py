@@ -57,7 +57,7 @@ def test_prefix_pages_are_shared_and_survive_other_holders():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     prompt = list(range(10))  # two full pages + 2 tokens
     bm.allocate("a", 10)
-    assert bm.cache_full_blocks("a", prompt, 0) == 2
+    assert bm.cache_full_blocks("a", prompt)[0] == 2
     hits = bm.match_prefix(prompt + [99])
     assert hits == bm.tables["a"][:2]
     bm.attach_prefix("b", hits)
@@ -78,7 +78,7 @@ def test_prefix_pages_are_shared_and_survive_other_holders():
 def test_hash_collision_cannot_alias_a_prefix():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     bm.allocate("a", 2)
-    bm.cache_full_blocks("a", [1, 2], 0)
+    bm.cache_full_blocks("a", [1, 2])
     page = bm.tables["a"][0]
     assert len(bm.cached) == 1
     bm.blocks[page].token_ids = (7, 7)  # as if another prefix had produced the same hash
@@ -226,3 +226,19 @@ def test_pool_is_sized_from_the_memory_budget_and_logged(tiny_model, smollm_toke
     assert "100 pages x 16 tokens" in caplog.text and "4.00x" in caplog.text
     with pytest.raises(ValueError, match="holds no page"):
         LLMEngine(tiny_model, smollm_tokenizer, **PAGED, kv_memory_bytes=10)
+
+
+def test_a_private_duplicate_page_keeps_its_sequence_hash_chain():
+    """Two sequences fill identical first pages; only one copy is cached. The second
+    sequence's later pages must still chain through the first page's digest, or its page
+    1 would be filed as a *first* page and hit a request that merely starts with it."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    shared, tail = [1, 2], [3, 4]
+    bm.allocate("a", 2)
+    bm.allocate("b", 4)
+    bm.cache_full_blocks("a", shared)
+    done, chain = bm.cache_full_blocks("b", shared, 0, None)  # page 0 stays private
+    assert bm.blocks[bm.tables["b"][0]].hash is None
+    bm.cache_full_blocks("b", shared + tail, done, chain)
+    assert bm.match_prefix(tail + [9]) == []  # [3, 4] was never a first page
+    assert bm.match_prefix(shared + tail + [9]) == [bm.tables["a"][0], bm.tables["b"][1]]

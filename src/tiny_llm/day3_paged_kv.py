@@ -12,11 +12,11 @@ pool arrays indexed by the same page ids).
   only when the tail page is full;
 - every page is either free (reference count 0) or referenced by exactly as many block
   tables as point at it; free + used = total, always;
-- with prefix caching, a full page is identified by a chained hash of (parent hash, its
-  token ids) and the token ids themselves (so a hash collision can never alias two
-  prefixes). Freed pages keep their identity and stay reusable until the allocator needs
-  them, oldest first (LRU). A new request reuses every cached full page of its prompt,
-  except that the last prompt token is always recomputed: its logits are needed.
+- with prefix caching, a full page is identified by a chained SHA-256 digest of (parent
+  digest, its token ids), and a hit also compares the page's own token ids. Freed pages
+  keep their identity and stay reusable until the allocator needs them, oldest first
+  (LRU). A new request reuses every cached full page of its prompt, except that the last
+  prompt token is always recomputed: its logits are needed.
 
 ``BlockSpace`` plugs the manager into Day 1's scheduler, and ``PagedKVSpace`` adds the
 page pool itself. On Day 3 attention still *gathers* each sequence's K/V from its pages
@@ -25,6 +25,7 @@ into a dense array (``PagedBatchKV``): the correctness checkpoint that Day 4 rem
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -76,8 +77,17 @@ def kv_cache_blocks_fragmentation(
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the page is full and its tokens are known
+    hash: bytes | None = None  # set once the page is full and its tokens are known
     token_ids: tuple[int, ...] | None = None
+
+
+def page_hash(parent: bytes | None, page_tokens: tuple[int, ...]) -> bytes:
+    """Chained digest of a full page: it names the page's tokens *and* everything before
+    them. SHA-256, so prefixes cannot be made to collide on purpose (Python's ``hash`` of
+    a tuple of ints is the same in every process and easy to collide)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in page_tokens))
+    return digest.digest()
 
 
 # ANCHOR: block_manager
@@ -90,7 +100,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Pages with ref_count 0, least recently freed first: the next to be (re)used.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # page hash -> page id
+        self.cached: dict[bytes, int] = {}  # page hash -> page id
         self.tables: dict[object, list[int]] = {}
         self.lengths: dict[object, int] = {}  # tokens each sequence has room for
 
@@ -158,7 +168,7 @@ class BlockManager:
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             page_tokens = tuple(token_ids[start : start + bs])
-            parent = hash((parent, page_tokens))
+            parent = page_hash(parent, page_tokens)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != page_tokens:
                 break
@@ -177,23 +187,28 @@ class BlockManager:
         self.tables[seq_id] = list(block_ids)
         self.lengths[seq_id] = len(block_ids) * self.block_size
 
-    def cache_full_blocks(self, seq_id: object, token_ids: Sequence[int], num_cached: int) -> int:
-        """Register the pages of ``seq_id`` that are full of computed tokens; returns how
-        many pages are registered now (pass it back as ``num_cached`` next time)."""
+    def cache_full_blocks(
+        self, seq_id: object, token_ids: Sequence[int], num_cached: int = 0,
+        parent: bytes | None = None,
+    ) -> tuple[int, bytes | None]:
+        """Register the pages of ``seq_id`` that are full of computed tokens. ``num_cached``
+        pages were handled before, ending the hash chain at ``parent``; returns both, updated,
+        for next time. The chain is the sequence's own: a page that stays private (an
+        identical one was cached first) has no hash, yet the pages after it still chain
+        through its digest."""
         if not self.enable_prefix_caching:
-            return num_cached
+            return num_cached, parent
         table, bs = self.tables[seq_id], self.block_size
         full = min(len(token_ids) // bs, len(table))
-        parent = self.blocks[table[num_cached - 1]].hash if num_cached else None
         for i in range(num_cached, full):
             page_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash((parent, page_tokens))
+            parent = page_hash(parent, page_tokens)
             block = self.blocks[table[i]]
             # If an identical page is cached already, this copy stays private.
             if block.hash is None and parent not in self.cached:
                 block.hash, block.token_ids = parent, page_tokens
                 self.cached[parent] = block.block_id
-        return full
+        return max(full, num_cached), parent
     # ANCHOR_END: prefix_caching
 
     def check_invariants(self) -> None:
@@ -221,7 +236,8 @@ class BlockSpace:
 
     def __init__(self, block_manager: BlockManager):
         self.blocks = block_manager
-        self.cached_pages: dict[object, int] = {}  # pages of each request registered so far
+        # Per request: pages registered so far and the hash chain's last digest.
+        self.cached_pages: dict[object, tuple[int, bytes | None]] = {}
         self._new_hits: dict[object, int] = {}  # hits found by begin(), counted on success
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -231,7 +247,8 @@ class BlockSpace:
         hits = self.blocks.match_prefix(tokens)
         self.blocks.attach_prefix(request, hits)
         request.num_computed_tokens = len(hits) * self.blocks.block_size
-        self.cached_pages[request] = len(hits)
+        chain = self.blocks.blocks[hits[-1]].hash if hits else None
+        self.cached_pages[request] = (len(hits), chain)
         self._new_hits[request] = request.num_computed_tokens
 
     def allocate(self, request, num_new_tokens: int) -> bool:
@@ -252,9 +269,12 @@ class BlockSpace:
         self._new_hits.pop(request, None)
 
     def commit(self, request) -> None:
-        tokens = request.token_ids_between(0, request.num_computed_tokens)
-        done = self.cached_pages.get(request, 0)
-        self.cached_pages[request] = self.blocks.cache_full_blocks(request, tokens, done)
+        done, parent = self.cached_pages.get(request, (0, None))
+        full = request.num_computed_tokens // self.blocks.block_size
+        if not self.blocks.enable_prefix_caching or full <= done:
+            return
+        tokens = request.token_ids_between(0, full * self.blocks.block_size)
+        self.cached_pages[request] = self.blocks.cache_full_blocks(request, tokens, done, parent)
 
     def table(self, request) -> list[int]:
         return self.blocks.tables[request]
