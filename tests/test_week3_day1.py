@@ -196,6 +196,14 @@ def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, sm
         with pytest.raises(error, match=message):
             call()
     assert list(engine.requests) == ["good"]
+    # A list with one bad prompt adds none of them.
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([{"prompt_token_ids": [5, 6]}, ""], greedy(2))
+    assert list(engine.requests) == ["good"]
+    with pytest.raises(ValueError, match="chat template"):
+        engine.add_request([{"role": "user"}])  # a message without content
+    with pytest.raises(ValueError, match="empty"):
+        engine.stream("")  # raises at the call, before any iteration (the chat relies on it)
     results = {}
     while engine.has_unfinished_requests():
         results.update({o.request_id: o for o in engine.step()})

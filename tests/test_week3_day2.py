@@ -96,17 +96,21 @@ def test_chunked_and_unchunked_engines_generate_the_same_tokens(tiny_model, smol
     results = []
     for options in ({"max_num_batched_tokens": 16}, {"enable_chunked_prefill": False,
                                                       "max_num_batched_tokens": 128}):
-        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **options)
+        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, max_model_len=128,
+                           **options)
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
 
 
 def test_unchunked_engine_rejects_prompts_over_the_budget(tiny_model, smollm_tokenizer):
-    engine = LLMEngine(
-        tiny_model, smollm_tokenizer, enable_chunked_prefill=False, max_num_batched_tokens=32
-    )
+    engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="dense",
+                       enable_chunked_prefill=False, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="chunked prefill is off"):
         engine.add_request({"prompt_token_ids": list(range(100, 140))})
+    # Paged, a preempted request recomputes prompt + output in one piece: it must fit.
+    with pytest.raises(ValueError, match="at least max_model_len"):
+        LLMEngine(tiny_model, smollm_tokenizer, enable_chunked_prefill=False,
+                  max_num_batched_tokens=32, max_model_len=64)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=8, max_num_batched_tokens=4)

@@ -666,3 +666,9 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
         "in-place write is not in place (see test_kv_write_is_in_place_when_the_caller_"
         "drops_the_old_pool)"
     )
+
+
+def test_engine_rejects_kernel_geometry_it_cannot_run(tiny_model, smollm_tokenizer):
+    with pytest.raises(ValueError, match="power of two"):
+        LLMEngine(tiny_model, smollm_tokenizer, attention="kernel", page_size=12)
+    LLMEngine(tiny_model, smollm_tokenizer, attention="gather", page_size=12)  # gathers: fine

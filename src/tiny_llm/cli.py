@@ -80,13 +80,18 @@ def run_chat(args: argparse.Namespace) -> int:
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        reply = stream_reply(engine, history, params)
+        try:
+            reply = stream_reply(engine, history, params)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+            history.pop()
+            print(f"tiny-llm: {e} (try /reset)", file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": reply})
 
 
 def stream_reply(engine, history: list[dict[str, str]], params: SamplingParams) -> str:
     parts: list[str] = []
-    stream = engine.stream(list(history), params)
+    stream = engine.stream(list(history), params)  # bad input raises here, before "bot>"
     sys.stdout.write("bot> ")
     try:
         for out in stream:

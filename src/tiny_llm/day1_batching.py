@@ -128,7 +128,7 @@ class Scheduler:
         return [ScheduledChunk(r, n) for r, n in plan.items()]
 
     def _admit(self, plan: dict, budget: TokenBudget) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget.left:
             req = self.waiting[0]
             self.kv.begin(req)
             n = budget.take_prefill(req.num_uncomputed_tokens)

@@ -45,6 +45,6 @@ class TokenBudget:
         return granted
 
     def give_back(self, tokens: int) -> None:
-        """Return a preempted request's tokens to the step."""
+        """Return tokens that were granted but not scheduled (preemption, or no KV room)."""
         self.left += tokens
 # ANCHOR_END: token_budget

@@ -21,6 +21,7 @@ Two implementations share one interface (DESIGN.md section 4):
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from tiny_llm.day3_paged_kv import PagePool
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 
+@functools.cache
 def extension():
     """The compiled extension module, or a clear error saying how to build it."""
     try:
@@ -38,6 +40,18 @@ def extension():
             "the tiny_llm kernel extension is not built; run `make setup` "
             f"(it builds src/extensions with CMake) — {e}"
         ) from None
+
+
+def check_geometry(page_size: int, head_dim: int, dtype: mx.Dtype) -> None:
+    """The shapes the kernels support (checked once per engine, and per call when validating)."""
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {head_dim}")
+    if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
+        raise ValueError(f"page_size must be a power of two <= 256, got {page_size}")
+    if mx.default_device() == mx.gpu and page_size < 8:
+        raise ValueError(f"the Metal kernels need page_size >= 8, got {page_size}")
+    if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"attention runs in float32, float16 or bfloat16, not {dtype}")
 
 
 # ANCHOR: check_metadata
@@ -58,12 +72,8 @@ def check_metadata(
     num_pages, page_size, n_kv_heads, head_dim = k_pages.shape
     if n_kv_heads < 1 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages with {n_kv_heads} KV heads of {head_dim}")
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {head_dim}")
-    if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
-        raise ValueError(f"page_size must be a power of two <= 256, got {page_size}")
-    floats = (mx.float32, mx.float16, mx.bfloat16)
-    if q.dtype not in floats or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    check_geometry(page_size, head_dim, q.dtype)
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q and pages must share a float dtype; got {q.dtype}, {k_pages.dtype}")
     for name, a in (("block_table", block_table), ("context_lens", context_lens),
                     ("query_start_loc", query_start_loc)):

@@ -25,7 +25,7 @@ from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler
 from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
-from tiny_llm.day4_paged_attention import extension
+from tiny_llm.day4_paged_attention import check_geometry, extension
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
@@ -33,6 +33,8 @@ from tiny_llm.sampling import SamplingParams, sample_next_tokens
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
+import numpy as np
+from jinja2.exceptions import TemplateError
 
 KV_CACHES = ("dense", "paged")
 ATTENTIONS = ("gather", "reference", "kernel")
@@ -137,6 +139,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         cfg = self.config
         self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        if cfg.kv_cache == "paged" and not cfg.enable_chunked_prefill and (
+            cfg.max_num_batched_tokens < self.max_model_len
+        ):
+            # A preempted request recomputes prompt + output in one piece: it must fit.
+            raise ValueError(
+                f"with chunked prefill off and a paged cache, max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) must be at least max_model_len "
+                f"({self.max_model_len})"
+            )
         self.kv = self._make_kv_space()
         self.scheduler = Scheduler(
             cfg.max_num_seqs,
@@ -159,6 +170,8 @@ class LLMEngine:
                            self.max_model_len, cfg.max_num_seqs)
         page_bytes = kv_bytes_per_token(mcfg, dtype) * cfg.page_size
         log_pool(pages, cfg.page_size, page_bytes, self.max_model_len)
+        if cfg.attention != "gather":
+            check_geometry(cfg.page_size, mcfg.head_dim, dtype)
         if cfg.attention == "kernel":
             extension()  # fail now, with the build command, rather than mid-step
         return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype,
@@ -183,8 +196,13 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        token_ids = [int(t) for t in token_ids]
         self._check_fits(len(token_ids), params)
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:  # a caller may have used it explicitly
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
@@ -208,7 +226,10 @@ class LLMEngine:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-            return None, self.tokenizer.encode_chat(prompt)
+            try:
+                return None, self.tokenizer.encode_chat(prompt)
+            except TemplateError as e:  # malformed messages, or the template refused them
+                raise ValueError(f"the chat template cannot render these messages: {e}") from e
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
         raise TypeError(
@@ -219,8 +240,13 @@ class LLMEngine:
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        not_ints = [
+            t for t in token_ids if isinstance(t, bool) or not isinstance(t, int | np.integer)
+        ]
+        if not_ints:
+            raise TypeError(f"prompt token ids must be integers, got {not_ints[:5]}")
         vocab = self.model.config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [int(t) for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
@@ -265,6 +291,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
             return outputs
         sampling, logits = self._forward(chunks)
         self.scheduler.finish_step(chunks)
@@ -298,7 +326,8 @@ class LLMEngine:
                 logit_rows.append(query_start_loc[-1] - 1)
                 sampling.append(req)
             if start < len(req.prompt_token_ids):
-                self.counters["num_prompt_tokens_computed"] += chunk.num_tokens
+                prompt_end = min(end, len(req.prompt_token_ids))
+                self.counters["num_prompt_tokens_computed"] += prompt_end - start
         kv = self.kv.batch(chunks, query_start_loc)
         logits = self.model(
             mx.array(token_ids, dtype=mx.int32),
@@ -336,25 +365,40 @@ class LLMEngine:
                 raise ValueError(
                     f"got {len(params)} sampling params for {len(prompts)} prompts"
                 )
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self.add_request(p, sp))
+        except (ValueError, TypeError):
+            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
+                self.abort(request_id)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
         final: dict[str, RequestOutput] = {}
+        others: list[RequestOutput] = []  # outputs of requests added elsewhere: kept for step()
         bar = _progress(len(ids), use_tqdm)
         wanted = set(ids)
         while len(final) < len(ids):
             for out in self.step():
-                if out.finished and out.request_id in wanted:
+                if out.request_id not in wanted:
+                    others.append(out)
+                elif out.finished:
                     final[out.request_id] = out
                     bar.update(1) if bar else None
         if bar:
             bar.close()
+        self._pending = others + self._pending
         return [final[i] for i in ids]
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield one request's outputs as they are produced. Closing the iterator (for
-        example on Ctrl-C in a chat) aborts the request."""
-        request_id = self.add_request(prompt, params)
+        """Yield one request's outputs as they are produced. Bad input raises here, before
+        any iteration; closing the iterator (for example on Ctrl-C in a chat) aborts the
+        request."""
+        return self._stream(self.add_request(prompt, params))
+
+    def _stream(self, request_id: str) -> Iterator[RequestOutput]:
         finished = False
         try:
             while not finished:

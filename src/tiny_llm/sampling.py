@@ -3,8 +3,8 @@
 What happens to one row of logits:
 
 1. The row is read as float32 (exact for float16/bfloat16 logits).
-2. ``temperature == 0`` is greedy: argmax, lowest token id on ties. All greedy rows of a batch
-   share one vectorised MLX argmax and consume no randomness.
+2. ``temperature < 1e-5`` (0 included) is greedy: argmax, lowest token id on ties. All
+   greedy rows of a batch share one vectorised MLX argmax and consume no randomness.
 3. Otherwise the row is divided by the temperature (still float32: the "scaled logits") and
    filtered in vLLM's order: top-k (keep the k highest), then top-p on the renormalised
    probabilities of the top-k survivors (keep the shortest rank prefix whose mass reaches
@@ -92,6 +92,9 @@ def _stop_ids(value: object) -> list[int]:
     return [int(t) for t in items]
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings; ``__post_init__`` validates and normalises them."""
@@ -124,7 +127,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Dividing float32 logits by a temperature this small overflows to inf/NaN.
+        return self.temperature < GREEDY_BELOW
 
 
 class RequestSampler:
