@@ -103,7 +103,8 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokeni
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} has no config.json; is it a model folder?")
-    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    hf_config = json.loads(config_file.read_text())
+    config = ModelConfig.from_hf(hf_config)
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -117,6 +118,8 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokeni
             raise FileNotFoundError(f"weight shard {path / name} is missing")
         weights.update(mx.load(str(path / name)))
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if "tie_word_embeddings" not in hf_config:  # families disagree on the default: look
+        config.tie_word_embeddings = "lm_head.weight" not in weights
     return config, weights, Tokenizer.from_hf_folder(path)
 
 
