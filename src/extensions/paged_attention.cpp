@@ -16,12 +16,14 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -64,11 +66,21 @@ class WorkerPool {
     drain();
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [&] { return pending_ == 0; });
+    // Every thread is done with fn before an error leaves this frame (fn lives in it).
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
  private:
   void drain() {
-    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
+    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) {
+      try {
+        (*fn_)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(n_);  // hand out no more items
+      }
+    }
   }
 
   void serve(int id) {
@@ -92,6 +104,7 @@ class WorkerPool {
   std::atomic<int> next_{0};
   int n_ = 0, helpers_ = 0, pending_ = 0;
   uint64_t generation_ = 0;
+  std::exception_ptr error_;
 };
 
 // Runs fn(0..n-1) on up to the machine's threads; small jobs stay on the calling thread.
@@ -370,7 +383,7 @@ mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
       "tiny_llm_paged_attention",
       {"q", "k_pages", "v_pages", "block_table", "context_lens", "query_start_loc", "params"},
       {"out"},
-      "threadgroup float tg_m[kPairs * GROUP];\n"
+      "threadgroup float tg_m[state_floats(GROUP)];\n"
       "threadgroup float tg_l[kSimdgroups * GROUP];\n"
       "threadgroup float tg_acc[GROUP * HEAD_DIM];\n"
       "threadgroup float k_tile[8 * HEAD_DIM];\n"
@@ -389,17 +402,31 @@ mx::array paged_attention_metal(const mx::array& q, const mx::array& k_pages,
   int32_t scale_bits;
   std::memcpy(&scale_bits, &scale, sizeof(scale));
   mx::array params({context_lens.shape(0), block_table.shape(1), n_heads, n_kv_heads,
-                    page_size, scale_bits},
+                    page_size, scale_bits, 0, 0},
                    mx::int32);
-  check(page_size >= 8, "the Metal kernel needs page_size >= 8");
+  const int group = n_heads / n_kv_heads;
+  check(page_size % 8 == 0, "the Metal kernel needs page_size to be a multiple of 8");
+  // Threadgroup memory of the kernel (floats), against Metal's 32 KiB.
+  const int tg_floats = std::max(64, 8 * group) + 8 * group + group * D + 16 * D + 512;
+  check(group <= 64 && 64 % group == 0 && tg_floats * 4 <= 32768,
+        "the Metal kernel supports head_dim x GQA group sizes whose state fits 32 KiB of "
+        "threadgroup memory, with the group dividing 64");
+  // MLX's JIT passes inputs of fewer than 8 elements in the `constant` address space; the
+  // kernel reads all metadata as `device` memory, so small arrays are padded to 8.
+  auto at_least_8 = [&](const mx::array& a) {
+    auto flat = mx::reshape(a, {-1}, stream);
+    const int n = flat.shape(0);
+    const auto zero = mx::array(0, mx::int32);
+    return n >= 8 ? flat : mx::pad(flat, std::make_pair(0, 8 - n), zero, "constant", stream);
+  };
   // Threadgroups: one per query row (vector schedule), then one per (sequence, query
   // tile) (tiled schedule); each keeps only the work its sequence's query length selects.
-  const int group = n_heads / n_kv_heads;
   const int tiles_per_seq = (T + 64 / group - 1) / (64 / group);
   const int groups_x = T + context_lens.shape(0) * tiles_per_seq;
   const int threads = 32 * 8;  // 8 simdgroups per threadgroup
   auto outs = kernel(
-      {q, k_pages, v_pages, block_table, context_lens, query_start_loc, params},
+      {q, k_pages, v_pages, at_least_8(block_table), at_least_8(context_lens),
+       at_least_8(query_start_loc), params},
       {q.shape()}, {q.dtype()}, {threads * groups_x, n_kv_heads, 1}, {threads, 1, 1},
       {{"T", q.dtype()}, {"HEAD_DIM", D}, {"GROUP", n_heads / n_kv_heads}}, std::nullopt,
       false, stream);

@@ -78,7 +78,8 @@ void paged_attention_impl(
     const int page = block_table[b * max_pages + j];
     const int n = min(page_size, num_keys - j * page_size);
     for (int t = 0; t < n; ++t) {
-      const int base = (page * page_size + t) * slot_stride + int(kv_head) * HEAD_DIM;
+      // 64-bit: one layer's pool can hold more than 2^31 elements.
+      const long base = (long(page) * page_size + t) * slot_stride + long(kv_head) * HEAD_DIM;
       float kr[PER_LANE];
       float vr[PER_LANE];
       for (int i = 0; i < PER_LANE; ++i) {
@@ -164,6 +165,12 @@ void paged_attention_impl(
 // loaded: tiles above the causal diagonal are skipped.
 constant constexpr int kPairs = 8 * kSimdgroups;
 
+// Floats of per-pair softmax state: the vector schedule's merge needs kSimdgroups * GROUP,
+// the tiled schedule's row sums kPairs; the two never run in one threadgroup.
+constexpr int state_floats(int group) {
+  return kPairs > kSimdgroups * group ? kPairs : kSimdgroups * group;
+}
+
 template <typename T, int HEAD_DIM, int GROUP>
 void paged_flash_impl(
     const device T* q,
@@ -232,8 +239,8 @@ void paged_flash_impl(
     for (int e = int(tid); e < 8 * HEAD_DIM; e += 32 * kSimdgroups) {
       const int t = e / HEAD_DIM;
       const int d = e % HEAD_DIM;
-      const int offset = (page * page_size + key0 % page_size + t) * slot_stride +
-          int(kv_head) * HEAD_DIM + d;
+      const long offset = (long(page) * page_size + key0 % page_size + t) * slot_stride +
+          long(kv_head) * HEAD_DIM + d;
       const bool in_range = key0 + t < num_keys;
       k_tile[e] = in_range ? float(k_pages[offset]) : 0.0f;
       v_tile[e] = in_range ? float(v_pages[offset]) : 0.0f;
@@ -389,7 +396,7 @@ template <typename T, int HEAD_DIM, int GROUP>
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float tg_m[kPairs * GROUP];
+  threadgroup float tg_m[state_floats(GROUP)];
   threadgroup float tg_l[kSimdgroups * GROUP];
   threadgroup float tg_acc[GROUP * HEAD_DIM];
   threadgroup float k_tile[8 * HEAD_DIM];
