@@ -13,8 +13,8 @@ interleaved (the order rotates from repeat to repeat), reporting medians and rat
      ``causal_attention``; the outputs are concatenated;
    - ``reference walk``: ``paged_attention_reference`` (MLX ops, one page column per
      iteration, online softmax);
-   - ``kernel``: ``paged_attention`` (the extension's CPU vector schedule; it spawns up
-     to one thread per core per call when the work is large enough), and ``kernel (1
+   - ``kernel``: ``paged_attention`` (the extension's CPU schedules on its persistent
+     worker pool, one thread per core, when the work is large enough), and ``kernel (1
      thread)``, the same op after ``extension().set_num_threads(1)``;
    - ``mx.fast``: ``mx.fast.scaled_dot_product_attention`` on K/V gathered *beforehand*
      into dense ``[B, Hkv, L, D]`` arrays (GQA handled by MLX): the floor with no gather.
@@ -611,7 +611,7 @@ def main() -> None:
             + (f"skipped at {', '.join(skipped)} (B x L > {REF_MAX_KEYS})" if skipped
                else "run at every point")
             + f". All paths agree with the kernel to {worst_err:.1e} (max abs). The kernel "
-            f"uses up to {threads} threads (spawned per call when the work is large enough); "
+            f"uses up to {threads} threads (a persistent pool, for large enough work); "
             "'kernel 1 thread' is the same op with extension().set_num_threads(1); MLX ops "
             f"run on one thread, OpenBLAS on {blas_threads} thread(s)."
         ),
