@@ -55,7 +55,7 @@ test: setup
 	$(VENV)/bin/mdbook build book
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benches
+	$(VENV)/bin/ruff check src tests benches tools
 
 book: setup
 	$(VENV)/bin/mdbook build book

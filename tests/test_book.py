@@ -5,12 +5,12 @@ an ERROR but the build still exits 0, an anchor that is not in the file includes
 without a word, and a broken image link is not reported at all. These tests turn each of
 those into a failure.
 
-One exception: benchmark results (``benchmark_results/<name>.md`` and ``.png``) are written
-by running ``benches/<name>.py``, so a checkout may lack some of them. A missing result is
-reported by ``test_benchmark_results_are_present``, which skips (set
-``TINY_LLM_BOOK_STRICT=1`` to make it fail), and its include is the only mdBook error the
-build test tolerates. Everything else (code includes, anchors, chapters, figures) must
-resolve, always.
+Benchmark results (``benchmark_results/<name>.md`` and ``.png``) are written by running
+``benches/<name>.py`` and committed with the code, so a missing one fails
+``test_benchmark_results_are_present``. While writing a new chapter before its benchmark
+has run, ``TINY_LLM_BOOK_STRICT=0`` turns that failure into a skip, and the missing
+include into the one mdBook error the build test tolerates. Everything else (code
+includes, anchors, chapters, figures) must resolve, always.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ BOOK = ROOT / "book"
 SRC = BOOK / "src"
 RESULTS = ROOT / "benchmark_results"
 RESULTS_LINK = SRC / "results"  # symlink to ../../benchmark_results: how plots reach the output
-STRICT = os.environ.get("TINY_LLM_BOOK_STRICT") == "1"
+STRICT = os.environ.get("TINY_LLM_BOOK_STRICT", "1") == "1"
 
 # mdBook's include directives; a backslash before the braces escapes one.
 INCLUDE = re.compile(r"(?<!\\)\{\{#(?:include|rustdoc_include)\s+([^\s}]+)\s*\}\}")
@@ -241,7 +241,7 @@ def test_mdbook_build_succeeds_without_errors(tmp_path):
     )
     log = run.stdout + run.stderr
     assert run.returncode == 0, f"mdbook build failed ({run.returncode}):\n{log}"
-    tolerated = missing_results()  # reported by test_benchmark_results_are_present
+    tolerated = [] if STRICT else missing_results()  # see the module docstring
     errors = [
         line
         for line in log.splitlines()

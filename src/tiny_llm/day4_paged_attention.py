@@ -6,15 +6,16 @@ pages where they are. For query row ``i`` of sequence ``b`` (absolute position
 ``context_lens[b] - L_b + i``), key position ``p`` is found by address translation:
 page ``block_table[b, p // page_size]``, slot ``p % page_size``.
 
-Two implementations share one interface (DESIGN.md section 4):
+Two implementations share one interface (the block-table interface of the book's Day 4):
 
 - ``paged_attention_reference``: plain MLX ops, one *page column* per iteration with an
   online softmax (running max, running sum, running output). Correctness first, and an
   oracle for the kernels.
-- ``paged_attention``: the extension op (``src/extensions``). On the CPU a C++ kernel
-  runs the vector schedule, one (query row, KV head) per work item on all cores; on Apple
-  GPUs the same schedule runs as a Metal kernel. ``paged_kv_write`` writes new rows into
-  the pages in place, O(new tokens) whatever the pool size.
+- ``paged_attention``: the extension op (``src/extensions``). Decode rows run the vector
+  schedule, one (query row, KV head) per work item on all cores; rows of multi-token
+  queries run Day 5's tiled schedule. On Apple GPUs the same two schedules run as Metal
+  kernels. ``paged_kv_write`` writes new rows into the pages in place, O(new tokens)
+  whatever the pool size.
 
 ``check_metadata`` validates everything a kernel would trust, before any kernel runs.
 """

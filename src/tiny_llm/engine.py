@@ -55,7 +55,7 @@ class EngineConfig:
     kv_memory_bytes: float | None = None  # pool budget: bytes, or a fraction of RAM if <= 1
     num_pages: int | None = None  # explicit pool size; overrides kv_memory_bytes
     enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
-    attention: str = "kernel"  # paged: "gather" (Day 3), "reference" or "kernel" (Day 4)
+    attention: str = "kernel"  # paged: "gather" (Day 3), "reference" or "kernel" (Days 4-5)
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ Quantized tensors arrive as MLX affine triples (``weight`` packed into uint32, `
 ``biases``). Bits and group size are inferred per tensor from the shapes, so a GGUF file
 that mixes 8-bit embeddings with 4-bit linear layers needs no extra metadata. On the CPU
 the triples are dequantized to float32 at load time (MLX's CPU quantized matmul is slow,
-DESIGN.md section 7); on a GPU they stay quantized.
+``benches/bench_model.py``); on a GPU they stay quantized.
 
 GGUF files of the Llama family store q/k projection rows permuted for llama.cpp's
 interleaved RoPE; ``convert_gguf_weights`` undoes that permutation so the usual
