@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler
+from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler, UnboundedKV
 from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
 from tiny_llm.day4_paged_attention import check_geometry, extension
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
@@ -98,24 +98,19 @@ class EngineConfig:
 
 
 # ANCHOR: dense_slots
-class DenseSlots:
-    """Days 1-2 KV storage: ``max_num_seqs`` dense caches, one per slot, reused in turn."""
+class DenseSlots(UnboundedKV):
+    """Days 1-2 KV storage: ``max_num_seqs`` dense caches, one per slot, reused in turn
+    (no page limit: ``begin`` and ``commit`` have nothing to do)."""
 
     def __init__(self, num_slots: int, num_layers: int):
         self.caches = [DenseKVCache(num_layers) for _ in range(num_slots)]
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.slot_of: dict[Request, int] = {}
 
-    def begin(self, request: Request) -> None:
-        pass
-
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         if request not in self.slot_of:
             self.slot_of[request] = self.free_slots.pop()
         return True
-
-    def commit(self, request: Request) -> None:
-        pass
 
     def free(self, request: Request) -> None:
         slot = self.slot_of.pop(request, None)

@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -84,8 +83,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: float | None = None
         self._text = ""  # detokenized output, stop strings not yet ruled out at its end
         self._released = 0  # chars of _text already handed to the caller
         self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)
@@ -119,8 +116,6 @@ class Request:
 
     def append_token(self, token: int) -> str:
         """Record a sampled token, check every stop condition, return newly released text."""
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token)
         if token in self.eos_token_ids or token in self.stop_token_ids:
             return self.finish("stop")
