@@ -136,6 +136,9 @@ class Request:
         self.finish_reason = reason
         if flush:
             self._text += self.detokenizer.flush()
+            # The flushed tail (bytes held back mid-character) may complete a stop string.
+            if self._max_stop_len and self._truncate_at_stop_string() and reason != "abort":
+                self.finish_reason = "stop"
         return self._release(len(self._text))
 
     def _truncate_at_stop_string(self) -> bool:
