@@ -257,3 +257,20 @@ def test_model_free_scheduler_admits_and_retires_in_flight():
     third = sim.step()
     assert (c.request_id, 2) in third.scheduled  # ... and c took its slot at once
     assert all(r.num_running <= 2 for r in [first, second, third, *sim.run()])
+
+
+def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
+    """Bytes held back mid-character come out only at the end; a stop string they
+    complete must still be cut (and the reason becomes "stop")."""
+    from tiny_llm.request import Request
+
+    class HeldBack:  # a detokenizer that releases everything only when flushed
+        def add(self, token: int) -> str:
+            return ""
+
+        def flush(self) -> str:
+            return "ok STOP tail"
+
+    req = Request([1, 2], SamplingParams(max_tokens=1, stop=["STOP"]), HeldBack(), set(), 64)
+    released = req.append_token(7)
+    assert released == "ok " and req.output_text == "ok " and req.finish_reason == "stop"
