@@ -283,13 +283,15 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
         chunks = self.scheduler.schedule()
+        if chunks:
+            sampling, logits = self._forward(chunks)
+        elif self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
+        # Outputs of aborts leave only once the forward succeeded: an error keeps them.
+        outputs, self._pending = self._pending, []
         if not chunks:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
             return outputs
-        sampling, logits = self._forward(chunks)
         self.scheduler.finish_step(chunks)
         tokens = sample_next_tokens(logits, [r.sampler for r in sampling]) if sampling else []
         for request, token in zip(sampling, tokens, strict=True):
