@@ -45,7 +45,9 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_model, smollm_tokenizer, chu
         assert steps == -(-length // chunk), "the prompt was not split into budget-sized chunks"
         got = recorder.logits[-1][0]
         expected = one_shot_last_logits(tiny_model, prompt)
-        assert mx.abs(got - expected).max().item() <= 1e-5
+        # Only float32 rounding may differ: a chunk's GEMMs have other row counts (OpenBLAS
+        # changes kernels at 16 rows) and attention folds keys in another order.
+        assert mx.abs(got - expected).max().item() <= 4e-5
 
 
 def test_token_budget_grants_decodes_first_and_never_exceeds():
