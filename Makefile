@@ -27,7 +27,7 @@ native: $(NATIVE)/.ext-built
 endif
 
 # The kernel extension (src/extensions): paged attention ops, CPU C++ + Metal source.
-EXT_SOURCES := $(wildcard src/extensions/*.cpp src/extensions/*.h src/extensions/metal/*.metal) \
+EXT_SOURCES := $(wildcard src/extensions/*.cpp src/extensions/*.h src/extensions/metal/*.metal src/extensions/metal/*.h) \
 	src/extensions/CMakeLists.txt
 $(NATIVE)/.ext-built: $(EXT_SOURCES) $(STAMP)
 	mkdir -p $(NATIVE)
@@ -63,12 +63,10 @@ book: setup
 bench-model: setup
 	$(PY) benches/bench_model.py
 
-# Compile every Metal source with Apple's compiler (macOS with Xcode's Metal toolchain).
-metal-check:
-	for f in src/extensions/metal/*.metal; do \
-		xcrun -sdk macosx metal -std=metal3.1 -c $$f -o /tmp/$$(basename $$f .metal).air || exit 1; \
-	done
-	@echo "all Metal sources compile"
+# Compile the kernels MLX's JIT builds (the extension's launch plans) with Apple's compiler
+# (macOS with Xcode's Metal toolchain).
+metal-check: setup
+	$(PY) tools/metal_check.py
 
 clean:
 	rm -rf $(VENV) $(NATIVE) book/book build build-ext.log

@@ -66,12 +66,12 @@ from typing import Any
 
 from tiny_llm.day3_paged_kv import PagedBatchKV, PagePool, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import (
-    extension,
     paged_attention,
     paged_attention_reference,
     paged_kv_write,
 )
 from tiny_llm.engine import LLMEngine
+from tiny_llm.extension import extension
 from tiny_llm.kv_cache import causal_attention
 
 import mlx.core as mx

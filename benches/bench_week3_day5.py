@@ -117,11 +117,11 @@ from typing import Any
 import tiny_llm
 from tiny_llm.day3_paged_kv import blocks_needed, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import (
-    extension,
     paged_attention,
     paged_attention_reference,
 )
 from tiny_llm.engine import LLMEngine
+from tiny_llm.extension import extension
 from tiny_llm.model import Model
 from tiny_llm.tokenizer import IncrementalDetokenizer
 

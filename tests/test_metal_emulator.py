@@ -7,6 +7,8 @@ Three groups:
 * the MSL-subset lint: clean on every .metal file under src/extensions/ and
   the emulator's examples (globbed, so new kernels are covered), and flags
   deliberately bad snippets;
+* MLX's JIT wrapper (``mlx_jit``): the ``[[kernel]]`` source ``mx.fast.metal_kernel``
+  writes around a body, character for character, and a run of it;
 * planted bugs: one-line mutations of the example kernels, applied as string
   replacements, each caught in the specific way expected (an out-of-bounds or
   barrier report, a mismatch with the reference, or a difference between
@@ -34,6 +36,7 @@ from metal_emulator import (  # noqa: E402
     DEFAULT_SCHEDULES,
     BarrierError,
     EmulatorError,
+    MetalCompileError,
     MetalLibrary,
     MetalSourceError,
     Out,
@@ -43,8 +46,10 @@ from metal_emulator import (  # noqa: E402
     bfloat16_to_float32,
     compile_metal,
     float32_to_bfloat16,
+    kernel_source,
     lint_metal,
     lint_source,
+    run_plan,
     run_schedules,
 )
 
@@ -279,6 +284,104 @@ def test_position_attributes_with_partial_threadgroups() -> None:
         axis=-1,
     )  # fmt: skip
     np.testing.assert_array_equal(out, expect)
+
+
+# ----------------------------------------------------- MLX's JIT wrapper
+
+
+class FakeArray:
+    """What kernel_source reads of an input: dtype, ndim and size (mx or numpy arrays)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str):
+        self.shape, self.dtype = shape, dtype
+        self.ndim, self.size = len(shape), int(np.prod(shape))
+
+
+def test_kernel_source_is_what_mlx_writes() -> None:
+    # Written out from write_signature / write_template / make_template_hash in
+    # mlx/backend/common/metal_kernel.cpp (MLX 0.32): small inputs go to `constant`, a 0-d
+    # input is a reference, `_shape` buffers follow their input when the body names them,
+    # attributes the body names come last (in MLX's order), bools print as 0/1.
+    plan = {
+        "name": "demo",
+        "input_names": ["x", "lens", "alpha"],
+        "output_names": ["y"],
+        "source": "  y[thread_position_in_grid.x] = x[0] * alpha + x_shape[0] + lens[0]"
+                  " + simdgroup_index_in_threadgroup;",
+        "header": "#include <metal_stdlib>\nusing namespace metal;\n",
+        "atomic_outputs": False,
+        "inputs": [FakeArray((4, 8), "mlx.core.float16"), FakeArray((3,), "mlx.core.int32"),
+                   FakeArray((), "mlx.core.float32")],
+        "output_dtypes": ["mlx.core.float32"],
+        "template_args": [("T", "mlx.core.bfloat16"), ("N", 4), ("B", True)],
+    }  # fmt: skip
+    name = "custom_kernel_demo__bfloat16_t_4_1_float16_t_int32_tc_floats_float"
+    assert kernel_source(plan) == (name, plan["header"] + f"""template <typename T, int N, bool B>
+[[kernel]] void {name}(
+  const device float16_t* x [[buffer(0)]],
+  const constant int* x_shape [[buffer(1)]],
+  const constant int32_t* lens [[buffer(2)]],
+  const constant float& alpha [[buffer(3)]],
+  device float* y [[buffer(4)]],
+  uint simdgroup_index_in_threadgroup [[simdgroup_index_in_threadgroup]],
+  uint3 thread_position_in_grid [[thread_position_in_grid]]) {{
+{plan["source"]}
+}}
+
+template [[host_name("{name}")]] [[kernel]] decltype({name}<bfloat16_t, 4, 1>) \
+{name}<bfloat16_t, 4, 1>;
+""")
+
+
+AXPY_HEADER = """#include <metal_stdlib>
+using namespace metal;
+template <typename T>
+void axpy(const device T* x, const device T* y, device T* out, float a, uint i) {
+  out[i] = T(a * float(x[i]) + float(y[i]));
+}
+"""
+
+
+def axpy_plan(n: int, small: np.ndarray) -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "name": "axpy", "input_names": ["x", "y", "a"], "output_names": ["out"],
+        "source": "  if (thread_position_in_grid.x < uint(x_shape[0])) {\n"
+                  "    axpy<T>(x, y, out, a[0], thread_position_in_grid.x);\n  }",
+        "header": AXPY_HEADER, "ensure_row_contiguous": True, "atomic_outputs": False,
+        "inputs": [rng.standard_normal(n).astype(np.float32),
+                   rng.standard_normal(n).astype(np.float32), small],
+        "output_shapes": [(n,)], "output_dtypes": [np.float32],
+        "grid": (n, 1, 1), "threadgroup": (64, 1, 1), "template_args": [("T", np.float32)],
+    }  # fmt: skip
+
+
+def test_run_plan_runs_the_generated_kernel_with_partial_threadgroups(tmp_path: Path) -> None:
+    # `a` has 8 elements: `device` memory, which the helper takes. 100 threads in groups
+    # of 64: MLX dispatches threads, so the last group is partial.
+    plan = axpy_plan(100, np.full(8, 2.5, np.float32))
+    out = run_plan(plan, tmp_path / "axpy.metal")["out"]
+    x, y, _ = plan["inputs"]
+    np.testing.assert_allclose(out, 2.5 * x + y, rtol=1e-6)
+    # A grid smaller than the threadgroup shrinks the threadgroup, as MLX does.
+    small = run_plan({**plan, "grid": (40, 1, 1)}, tmp_path / "axpy.metal")["out"]
+    np.testing.assert_allclose(small[:40], (2.5 * x + y)[:40], rtol=1e-6)
+    assert np.isnan(small[40:]).all()
+
+
+def test_constant_pointer_does_not_convert_to_device_pointer(tmp_path: Path) -> None:
+    # With one element `a` is passed as `const constant float*`: Metal refuses to pass it
+    # where a `device` pointer is expected, and so does the emulator.
+    plan = axpy_plan(16, np.full(1, 2.5, np.float32))
+    plan["header"] = AXPY_HEADER.replace("float a, uint i", "const device float* a, uint i")
+    plan["header"] = plan["header"].replace("T(a * float", "T(a[0] * float")
+    plan["source"] = plan["source"].replace("a[0], thread", "a, thread")
+    with pytest.raises(MetalCompileError, match="constant_ptr"):
+        run_plan(plan, tmp_path / "axpy.metal")
+    # Reading through it is fine.
+    ok = axpy_plan(16, np.full(1, 2.5, np.float32))
+    x, y, _ = ok["inputs"]
+    np.testing.assert_allclose(run_plan(ok, tmp_path / "axpy.metal")["out"], 2.5 * x + y)
 
 
 # -------------------------------------------------------------------- lint

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import tiny_llm.day3_paged_kv as day3
 import tiny_llm.day4_paged_attention as day4
 import tiny_llm.kv_cache as kv_cache
-from tiny_llm.day4_paged_attention import extension, paged_attention, paged_attention_reference
+from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
 from tiny_llm.engine import LLMEngine
+from tiny_llm.extension import extension
 from tiny_llm.kv_cache import DenseKVCache, causal_attention
 from tiny_llm.sampling import SamplingParams
 

@@ -1,19 +1,66 @@
 // Python bindings of the paged ops (module tiny_llm._native._ext).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
-#include "paged_attention.h"
+#include "metal_launch.h"
+#include "ops.h"
+#include "worker_pool.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
-NB_MODULE(_ext, m) {
+#ifndef TINY_LLM_EXT_NAME
+#define TINY_LLM_EXT_NAME _ext
+#endif
+
+namespace {
+
+// The launch plan as a dict of plain values and MLX arrays (tests hand it to the emulator).
+nb::dict plan_dict(const tiny_llm::MetalLaunchPlan& plan) {
+  nb::dict d;
+  d["name"] = plan.name;
+  d["input_names"] = plan.input_names;
+  d["output_names"] = plan.output_names;
+  d["source"] = plan.source;
+  d["header"] = plan.header;
+  d["ensure_row_contiguous"] = plan.ensure_row_contiguous;
+  d["atomic_outputs"] = plan.atomic_outputs;
+  d["inputs"] = plan.inputs;
+  nb::list shapes, dtypes;
+  for (const auto& shape : plan.output_shapes) {
+    nb::list dims;
+    for (auto n : shape) dims.append(n);
+    shapes.append(nb::tuple(dims));
+  }
+  for (const auto& dtype : plan.output_dtypes) dtypes.append(nb::cast(dtype));
+  d["output_shapes"] = shapes;
+  d["output_dtypes"] = dtypes;
+  d["grid"] = plan.grid;
+  d["threadgroup"] = plan.threadgroup;
+  nb::list args;
+  for (const auto& [name, value] : plan.template_args)
+    args.append(nb::make_tuple(name, std::visit([](auto v) { return nb::cast(v); }, value)));
+  d["template_args"] = args;
+  return d;
+}
+
+}  // namespace
+
+#define TINY_LLM_STRINGIFY2(x) #x
+#define TINY_LLM_STRINGIFY(x) TINY_LLM_STRINGIFY2(x)
+
+NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.doc() = "tiny_llm paged attention kernels (CPU C++ and Metal)";
   m.def("paged_attention", &tiny_llm::paged_attention, "q"_a, "k_pages"_a, "v_pages"_a,
         "block_table"_a, "context_lens"_a, "query_start_loc"_a, "scale"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
-        "Attention of flat queries over paged K/V through block tables (causal).");
+        "tiled"_a = true, "stream"_a = nb::none(),
+        "Attention of flat queries over paged K/V through block tables (causal). tiled=False "
+        "runs the vector schedule for every row (Day 4); True tiles multi-token queries (Day 5).");
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
         "v_new"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Write new K/V rows into their slots; in place when the pools are donatable.");
@@ -21,4 +68,22 @@ NB_MODULE(_ext, m) {
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,
         "Threads the CPU kernels may use (0: all hardware threads).");
+  m.def("check_metal_geometry", &tiny_llm::check_metal_geometry, "n_heads"_a, "n_kv_heads"_a,
+        "head_dim"_a, "page_size"_a, "dtype"_a,
+        "Raise ValueError unless the Metal kernels can serve this attention geometry.");
+  m.def(
+      "metal_launch_plan",
+      [](const mx::array& q, const mx::array& k_pages, const mx::array& v_pages,
+         const mx::array& block_table, const mx::array& context_lens,
+         const mx::array& query_start_loc, float scale, bool tiled,
+         mx::StreamOrDevice s) {
+        return plan_dict(tiny_llm::plan_paged_attention(q, k_pages, v_pages, block_table,
+                                                        context_lens, query_start_loc, scale,
+                                                        tiled, mx::to_stream(s)));
+      },
+      "q"_a, "k_pages"_a, "v_pages"_a, "block_table"_a, "context_lens"_a,
+      "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true, "stream"_a = nb::none(),
+      "The Metal launch (arguments of mx.fast.metal_kernel and of its kernel call) that a GPU "
+      "stream would run, computed on any device.");
+  m.attr("module_name") = TINY_LLM_STRINGIFY(TINY_LLM_EXT_NAME);
 }

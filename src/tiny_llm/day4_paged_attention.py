@@ -22,37 +22,25 @@ Two implementations share one interface (the block-table interface of the book's
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 from tiny_llm.day3_paged_kv import PagePool
+from tiny_llm.extension import extension
 
 import mlx.core as mx
 import numpy as np
 
 
-@functools.cache
-def extension():
-    """The compiled extension module, or a clear error saying how to build it."""
-    try:
-        return importlib.import_module("tiny_llm._native._ext")
-    except ImportError as e:
-        raise ImportError(
-            "the tiny_llm kernel extension is not built; run `make setup` "
-            f"(it builds src/extensions with CMake) — {e}"
-        ) from None
-
-
-def check_geometry(page_size: int, head_dim: int, dtype: mx.Dtype) -> None:
-    """The shapes the kernels support (checked once per engine, and per call when validating)."""
-    if head_dim % 8 or not 8 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a multiple of 8 in [8, 256], got {head_dim}")
-    if page_size < 1 or page_size & (page_size - 1) or page_size > 256:
-        raise ValueError(f"page_size must be a power of two <= 256, got {page_size}")
-    if mx.default_device() == mx.gpu and page_size < 8:
-        raise ValueError(f"the Metal kernels need page_size >= 8, got {page_size}")
+def check_geometry(n_heads: int, n_kv_heads: int, head_dim: int, page_size: int,
+                   dtype: mx.Dtype, device: mx.Device) -> None:
+    """Raise ValueError unless the kernels can serve this attention geometry on ``device``
+    (checked once per engine, before any step, and per call when validating)."""
     if dtype not in (mx.float32, mx.float16, mx.bfloat16):
         raise ValueError(f"attention runs in float32, float16 or bfloat16, not {dtype}")
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
+    if page_size < 1 or head_dim < 1:
+        raise ValueError(f"page_size and head_dim must be positive, got {page_size}, {head_dim}")
+    if device == mx.gpu:  # the launcher's own rule (src/extensions/metal_launch.cpp)
+        extension().check_metal_geometry(n_heads, n_kv_heads, head_dim, page_size, dtype)
 
 
 # ANCHOR: check_metadata
@@ -73,7 +61,7 @@ def check_metadata(
     num_pages, page_size, n_kv_heads, head_dim = k_pages.shape
     if n_kv_heads < 1 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages with {n_kv_heads} KV heads of {head_dim}")
-    check_geometry(page_size, head_dim, q.dtype)
+    check_geometry(q.shape[1], n_kv_heads, head_dim, page_size, q.dtype, mx.default_device())
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q and pages must share a float dtype; got {q.dtype}, {k_pages.dtype}")
     for name, a in (("block_table", block_table), ("context_lens", context_lens),
@@ -111,13 +99,15 @@ def paged_attention(
     query_start_loc: mx.array,
     scale: float,
     validate: bool = True,
+    tiled: bool = True,
 ) -> mx.array:
     """The extension kernel. ``validate=False`` skips the checks (the engine builds its
-    metadata itself and checks it once in tests)."""
+    metadata itself and checks it once in tests). ``tiled=False``: the vector schedule for
+    every row (Day 4); ``True``: multi-token queries take the tiled schedule (Day 5)."""
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
     return extension().paged_attention(
-        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale
+        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled
     )
 
 

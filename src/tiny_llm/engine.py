@@ -25,7 +25,8 @@ from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler, UnboundedKV
 from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
-from tiny_llm.day4_paged_attention import check_geometry, extension
+from tiny_llm.day4_paged_attention import check_geometry
+from tiny_llm.extension import extension
 from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
@@ -166,7 +167,8 @@ class LLMEngine:
         page_bytes = kv_bytes_per_token(mcfg, dtype) * cfg.page_size
         log_pool(pages, cfg.page_size, page_bytes, self.max_model_len)
         if cfg.attention != "gather":
-            check_geometry(cfg.page_size, mcfg.head_dim, dtype)
+            check_geometry(mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim,
+                           cfg.page_size, dtype, mx.default_device())
         if cfg.attention == "kernel":
             extension()  # fail now, with the build command, rather than mid-step
         return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype,

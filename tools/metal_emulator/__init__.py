@@ -23,6 +23,7 @@ from .harness import (
     run_schedules,
 )
 from .lint import lint_metal, lint_source
+from .mlx_jit import kernel_source, run_plan
 from .source import MetalSourceError
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "bfloat16_to_float32",
     "compile_metal",
     "float32_to_bfloat16",
+    "kernel_source",
     "lint_metal",
     "lint_source",
+    "run_plan",
     "run_schedules",
 ]

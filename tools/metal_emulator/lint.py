@@ -2,8 +2,8 @@
 
 The emulator accepts plenty of C++ that is not valid MSL, and Metal accepts
 constructs the emulator cannot shim. These regex rules keep a .metal file
-inside the subset both accept (docs: tools/metal_emulator/README.md and
-/work/shared/notes/metal-emulator.md). They work on the comment-stripped
+inside the subset both accept (docs: tools/metal_emulator/README.md). They
+work on the comment-stripped
 text, so commented-out code is ignored, and report ``path:line: message``.
 
 Rules (numbered as in the README):
@@ -24,8 +24,7 @@ Rules (numbered as in the README):
   9. finite sentinels (``-FLT_MAX``), never ``INFINITY``;
  10. nothing the emulator cannot run or MSL lacks: double, half literals
      (``1.0h``), lambdas, exceptions, dynamic memory, atomics, simdgroup
-     matrices other than 8x8, identifiers that collide with the shim's
-     attribute macros.
+     matrices other than 8x8, calls named ``buffer(...)`` (a macro in the shim).
 """
 
 from __future__ import annotations
@@ -34,7 +33,15 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from .source import MetalSource, MetalSourceError, Param, line_of, parse_source, strip_comments
+from .source import (
+    POSITION_ATTRIBUTES,
+    MetalSource,
+    MetalSourceError,
+    Param,
+    line_of,
+    parse_source,
+    strip_comments,
+)
 
 __all__ = ["lint_metal", "lint_source"]
 
@@ -50,22 +57,6 @@ ALLOWED_SYSTEM_HEADERS = frozenset(
         "metal_compute",
         "metal_integer",
         "metal_common",
-    }
-)
-POSITION_ATTRIBUTES = frozenset(
-    {
-        "thread_position_in_grid",
-        "thread_position_in_threadgroup",
-        "threadgroup_position_in_grid",
-        "threads_per_threadgroup",
-        "threadgroups_per_grid",
-        "threads_per_grid",
-        "thread_index_in_threadgroup",
-        "thread_index_in_simdgroup",
-        "simdgroup_index_in_threadgroup",
-        "threads_per_simdgroup",
-        "thread_execution_width",
-        "simdgroups_per_threadgroup",
     }
 )
 
@@ -336,11 +327,6 @@ def _lint_misc(stripped: str, flag: Flag) -> None:
         if (m.group(1), m.group(2)) != ("8", "8"):
             flag(m.start(), "rule 10: only 8x8 simdgroup matrices are emulated")
     outside = _ATTR_SPAN.sub(lambda m: " " * len(m.group(0)), stripped)
-    for m in re.finditer(r"\b(\w+)\b", outside):
-        if m.group(1) in POSITION_ATTRIBUTES:
-            flag(
-                m.start(), f"rule 10: '{m.group(1)}' is an attribute name (a macro in the emulator)"
-            )
     for m in re.finditer(r"\bbuffer\s*\(", outside):
         flag(
             m.start(),

@@ -9,7 +9,10 @@ else is done by the shim header. It
 * refuses any other statement that starts with ``threadgroup`` and declares
   no pointer or reference (it would silently become per-thread storage),
 * renames the ``[[threadgroup(n)]]`` parameter attribute (``threadgroup`` is
-  a keyword macro in the shim),
+  a keyword macro in the shim) and position attributes (``[[thread_index_in_simdgroup]]``
+  becomes ``[[MTL_EMU_POS(kLane)]]``, so a variable may bear the attribute's name),
+* turns ``constant T*`` declarations into ``::mtl_emu::constant_ptr<T>``, a pointer
+  type that, as in Metal, does not convert to a ``device`` pointer,
 * blanks explicit ``template [[host_name("x")]] [[kernel]] decltype(f<..>)
   f<..>;`` instantiations and appends a registration for every kernel entry
   point (plain kernels by function name, instantiations by host name).
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "POSITION_ATTRIBUTES",
     "KernelDef",
     "MetalSource",
     "MetalSourceError",
@@ -36,6 +40,23 @@ __all__ = [
     "prepass",
     "strip_comments",
 ]
+
+
+#: Thread-position attributes the shim supports, and its name for each.
+POSITION_ATTRIBUTES = {
+    "thread_position_in_grid": "kPosInGrid",
+    "thread_position_in_threadgroup": "kPosInTg",
+    "threadgroup_position_in_grid": "kTgPos",
+    "threads_per_threadgroup": "kTgSize",
+    "threadgroups_per_grid": "kNGroups",
+    "threads_per_grid": "kGridSize",
+    "thread_index_in_threadgroup": "kIndexInTg",
+    "thread_index_in_simdgroup": "kLane",
+    "simdgroup_index_in_threadgroup": "kSimdgroup",
+    "threads_per_simdgroup": "kSimdWidth",
+    "thread_execution_width": "kSimdWidth",
+    "simdgroups_per_threadgroup": "kNSimdgroups",
+}
 
 
 class MetalSourceError(ValueError):
@@ -256,6 +277,11 @@ _TG_DECL = re.compile(
 )
 _TG_STATEMENT = re.compile(r"(?m)(?:^|(?<=[;{}]))[ \t]*threadgroup\b(?P<rest>[^;{]*)")
 _TG_PARAM_ATTR = re.compile(r"\[\[\s*threadgroup\s*\(")
+_POSITION_ATTR = re.compile(r"\[\[\s*(" + "|".join(POSITION_ATTRIBUTES) + r")\s*\]\]")
+# `constant T*` with an optional leading or trailing const: the pointee type T.
+_CONSTANT_PTR = re.compile(
+    r"\b(?P<c1>const\s+)?constant\s+(?P<c2>const\s+)?(?P<type>[A-Za-z_][\w:]*)\s*\*"
+)
 
 
 def prepass(src: MetalSource) -> str:
@@ -292,6 +318,13 @@ def prepass(src: MetalSource) -> str:
 
     for m in _TG_PARAM_ATTR.finditer(stripped):
         edits.append((m.start(), m.end(), "[[mtl_emu_threadgroup_param("))
+
+    for m in _POSITION_ATTR.finditer(stripped):
+        edits.append((m.start(), m.end(), f"[[MTL_EMU_POS({POSITION_ATTRIBUTES[m.group(1)]})]]"))
+
+    for m in _CONSTANT_PTR.finditer(stripped):
+        const = "const " if m.group("c1") or m.group("c2") else ""
+        edits.append((m.start(), m.end(), f"::mtl_emu::constant_ptr<{const}{m.group('type')}>"))
 
     edits.sort()
     out: list[str] = []

@@ -1,29 +1,27 @@
-// Paged attention on Apple GPUs: the vector decode schedule and the tiled
-// (FlashAttention) schedule behind one dispatch.
+// Paged attention on Apple GPUs: the vector decode schedule (Day 4) and the tiled
+// FlashAttention schedule (Day 5) behind one block-table interface.
 //
-// One threadgroup per (query row, KV head); 8 simdgroups of 32 lanes. Simdgroup s walks
-// logical pages s, s + 8, s + 16, ... of the row's sequence through the block table; its
-// lanes split the head dimension, so a dot product is a per-lane partial plus simd_sum.
-// Each simdgroup keeps an online softmax (m, l, acc) for the GROUP query heads that share
-// the KV head, so every K/V row is loaded once for the whole group. At the end the
-// simdgroups' partial states are merged through threadgroup memory.
+// Vector schedule: one threadgroup per (query row, KV head); 8 simdgroups of 32 lanes.
+// Simdgroup s walks logical pages s, s + 8, s + 16, ... of the row's sequence through the
+// block table; its lanes split the head dimension, so a dot product is a per-lane partial
+// plus simd_sum. Each simdgroup keeps an online softmax (m, l, acc) for the GROUP query
+// heads that share the KV head, so every K/V row is loaded once for the whole group. At
+// the end the simdgroups' partial states are merged through threadgroup memory.
+//
+// There are no [[kernel]] functions here: the host (src/extensions/metal_launch.cpp) gives
+// MLX's JIT (fast::metal_kernel) this file as the header and a body that calls one of the
+// *_entry functions at the end; MLX writes the [[kernel]] signature around that body.
+// Launch geometry and the threadgroup-memory layout come from paged_attention_geometry.h,
+// which the host includes too.
 //
 // Written in the MSL subset that tools/metal_emulator compiles as C++ (see its README):
-// this file is used unchanged by MLX's JIT (fast::metal_kernel, as a header), by
-// `xcrun metal -c` (make metal-check) and by the emulator tests.
+// the emulator runs the exact source the host hands to MLX.
 #include <metal_stdlib>
+#ifndef TINY_LLM_PAGED_ATTENTION_GEOMETRY  // the host inlines it ahead of this file
+#include "paged_attention_geometry.h"
+#endif
 using namespace metal;
-
-constant constexpr int kSimdgroups = 8;
-
-struct PagedAttentionParams {
-  int num_seqs;
-  int max_pages;
-  int n_heads;
-  int n_kv_heads;
-  int page_size;
-  float scale;
-};
+using namespace paged_geometry;
 
 // ANCHOR: metal_vector_schedule
 template <typename T, int HEAD_DIM, int GROUP>
@@ -156,20 +154,13 @@ void paged_attention_impl(
 
 // ANCHOR: metal_flash_schedule
 // The tiled (FlashAttention) schedule for rows of multi-token queries. A threadgroup
-// takes one query tile of sequence b for one KV head: 64 (row, head) pairs, 8 per
+// takes one query tile of sequence b for one KV head: kTilePairs (row, head) pairs, 8 per
 // simdgroup, so the GROUP heads sharing the KV head share every K/V tile. Keys come in
-// tiles of 8 (a tile never straddles a page: page_size is a multiple of 8): the whole
-// threadgroup stages a tile in threadgroup memory once, then each simdgroup computes
+// tiles of kKeyTile (a tile never straddles a page: page_size is a multiple of it): the
+// whole threadgroup stages a tile in threadgroup memory once, then each simdgroup computes
 // S = Q K^T with simdgroup_matrix 8x8 multiplies, folds S into its online softmax (one
 // lane per pair), and accumulates O += P V. Key tiles past the tile's last row are never
 // loaded: tiles above the causal diagonal are skipped.
-constant constexpr int kPairs = 8 * kSimdgroups;
-
-// Floats of per-pair softmax state: the vector schedule's merge needs kSimdgroups * GROUP,
-// the tiled schedule's row sums kPairs; the two never run in one threadgroup.
-constexpr int state_floats(int group) {
-  return kPairs > kSimdgroups * group ? kPairs : kSimdgroups * group;
-}
 
 template <typename T, int HEAD_DIM, int GROUP>
 void paged_flash_impl(
@@ -196,20 +187,20 @@ void paged_flash_impl(
     uint lane,
     uint tid) {
   constexpr int CHUNKS = HEAD_DIM / 8;
-  constexpr int TILE_ROWS = kPairs / GROUP;
+  constexpr int TILE_ROWS = tile_rows(GROUP);
   const int seq_start = query_start_loc[b];
   const int query_len = query_start_loc[b + 1] - seq_start;
   const int first_pos = context_lens[b] - query_len;  // position of the sequence's row 0
   const int tile_row0 = tile * TILE_ROWS;
-  const int tile_rows = min(TILE_ROWS, query_len - tile_row0);
-  const int num_keys = first_pos + tile_row0 + tile_rows;  // keys the last row sees
+  const int rows_in_tile = min(TILE_ROWS, query_len - tile_row0);
+  const int num_keys = first_pos + tile_row0 + rows_in_tile;  // keys the last row sees
   const int slot_stride = n_kv_heads * HEAD_DIM;
-  threadgroup float* my_scratch = scratch + int(sg) * 64;
+  threadgroup float* my_scratch = scratch + int(sg) * kPairsPerSimdgroup * kKeyTile;
 
   // This lane's pair (lanes 0..7 own the softmax state of pair sg*8 + lane).
-  const int my_pair = int(sg) * 8 + int(lane);
+  const int my_pair = int(sg) * kPairsPerSimdgroup + int(lane);
   const int my_row = my_pair / GROUP;
-  const bool my_valid = lane < 8 && my_row < tile_rows;
+  const bool my_valid = lane < kPairsPerSimdgroup && my_row < rows_in_tile;
   const int my_pos = first_pos + tile_row0 + my_row;
   float m = -FLT_MAX;
   float l = 0.0f;
@@ -223,7 +214,7 @@ void paged_flash_impl(
       const int row = pair / GROUP;
       const int head = int(kv_head) * GROUP + pair % GROUP;
       const int flat = seq_start + tile_row0 + row;
-      my_scratch[e] = row < tile_rows
+      my_scratch[e] = row < rows_in_tile
           ? float(q[(flat * n_heads + head) * HEAD_DIM + c * 8 + e % 8]) * scale
           : 0.0f;
     }
@@ -233,10 +224,10 @@ void paged_flash_impl(
     simdgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  for (int key0 = 0; key0 < num_keys; key0 += 8) {
+  for (int key0 = 0; key0 < num_keys; key0 += kKeyTile) {
     // Stage the key tile: 8 keys x HEAD_DIM of K and V, zeros past the last key.
     const int page = block_table[b * max_pages + key0 / page_size];
-    for (int e = int(tid); e < 8 * HEAD_DIM; e += 32 * kSimdgroups) {
+    for (int e = int(tid); e < kKeyTile * HEAD_DIM; e += kThreadsPerThreadgroup) {
       const int t = e / HEAD_DIM;
       const int d = e % HEAD_DIM;
       const long offset = (long(page) * page_size + key0 % page_size + t) * slot_stride +
@@ -309,7 +300,7 @@ void paged_flash_impl(
     for (int e = int(lane); e < 64; e += 32) {
       const int pair = int(sg) * 8 + e / 8;
       const int row = pair / GROUP;
-      if (row < tile_rows) {
+      if (row < rows_in_tile) {
         const int head = int(kv_head) * GROUP + pair % GROUP;
         const int flat = seq_start + tile_row0 + row;
         out[(flat * n_heads + head) * HEAD_DIM + c * 8 + e % 8] = T(my_scratch[e] / row_l[pair]);
@@ -321,98 +312,32 @@ void paged_flash_impl(
 // ANCHOR_END: metal_flash_schedule
 
 // ANCHOR: metal_dispatch
-// One dispatch serves a mixed batch: threadgroup x < T takes query row x with the vector
-// schedule if its sequence has a single query; the threadgroups after those take
-// (sequence, query tile) pairs with the tiled schedule if the sequence has several.
-// The choice is uniform per threadgroup, so every barrier is reached by all its threads.
-template <typename T, int HEAD_DIM, int GROUP>
-void paged_attention_dispatch(
-    const device T* q,
-    const device T* k_pages,
-    const device T* v_pages,
-    const device int* block_table,
-    const device int* context_lens,
-    const device int* query_start_loc,
-    device T* out,
-    int num_seqs,
-    int max_pages,
-    int n_heads,
-    int n_kv_heads,
-    int page_size,
-    float scale,
-    threadgroup float* tg_m,
-    threadgroup float* tg_l,
-    threadgroup float* tg_acc,
-    threadgroup float* k_tile,
-    threadgroup float* v_tile,
-    threadgroup float* scratch,
-    uint3 tg_pos,
-    uint3 num_groups,
-    uint sg,
-    uint lane,
-    uint tid) {
-  const int total_rows = query_start_loc[num_seqs];
-  const int x = int(tg_pos.x);
-  if (x < total_rows) {
-    int b = 0;
-    while (b + 1 < num_seqs && query_start_loc[b + 1] <= x) {
-      b += 1;
-    }
-    if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
-      paged_attention_impl<T, HEAD_DIM, GROUP>(
-          q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, num_seqs,
-          max_pages, n_heads, n_kv_heads, page_size, scale, tg_m, tg_l, tg_acc, tg_pos.x,
-          tg_pos.y, sg, lane);
-    }
-  } else {
-    const int tiles_per_seq = (int(num_groups.x) - total_rows) / num_seqs;
-    const int b = (x - total_rows) / tiles_per_seq;
-    const int tile = (x - total_rows) % tiles_per_seq;
-    const int query_len = query_start_loc[b + 1] - query_start_loc[b];
-    if (query_len > 1 && tile * (kPairs / GROUP) < query_len) {
-      paged_flash_impl<T, HEAD_DIM, GROUP>(
-          q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, b, tile,
-          max_pages, n_heads, n_kv_heads, page_size, scale, k_tile, v_tile, scratch, tg_m,
-          tg_pos.y, sg, lane, tid);
-    }
-  }
-}
-// ANCHOR_END: metal_dispatch
+// The host's params buffer (int32, see kParam* in paged_attention_geometry.h).
+struct PagedParams {
+  int num_seqs;
+  int max_pages;
+  int n_heads;
+  int n_kv_heads;
+  int page_size;
+  float scale;
+};
 
-// The full op as a kernel with an explicit signature, for `xcrun metal -c` and the
-// emulator: grid = (T + num_seqs * tiles_per_seq) x n_kv_heads threadgroups of 256.
-template <typename T, int HEAD_DIM, int GROUP>
-[[kernel]] void paged_attention(
-    const device T* q [[buffer(0)]],
-    const device T* k_pages [[buffer(1)]],
-    const device T* v_pages [[buffer(2)]],
-    const device int* block_table [[buffer(3)]],
-    const device int* context_lens [[buffer(4)]],
-    const device int* query_start_loc [[buffer(5)]],
-    device T* out [[buffer(6)]],
-    constant PagedAttentionParams& p [[buffer(7)]],
-    uint3 tg_pos [[threadgroup_position_in_grid]],
-    uint3 num_groups [[threadgroups_per_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float tg_m[state_floats(GROUP)];
-  threadgroup float tg_l[kSimdgroups * GROUP];
-  threadgroup float tg_acc[GROUP * HEAD_DIM];
-  threadgroup float k_tile[8 * HEAD_DIM];
-  threadgroup float v_tile[8 * HEAD_DIM];
-  threadgroup float scratch[64 * kSimdgroups];
-  paged_attention_dispatch<T, HEAD_DIM, GROUP>(
-      q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
-      p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_m, tg_l, tg_acc, k_tile,
-      v_tile, scratch, tg_pos, num_groups, sg, lane, tid);
+inline PagedParams read_params(const device int* params) {
+  PagedParams p;
+  p.num_seqs = params[kParamNumSeqs];
+  p.max_pages = params[kParamMaxPages];
+  p.n_heads = params[kParamNHeads];
+  p.n_kv_heads = params[kParamNKvHeads];
+  p.page_size = params[kParamPageSize];
+  p.scale = as_type<float>(params[kParamScaleBits]);
+  return p;
 }
 
-// Entry used by MLX's JIT (fast::metal_kernel generates the kernel signature; the body it
-// runs declares threadgroup memory and calls this). Params: num_seqs, max_pages, n_heads,
-// n_kv_heads, page_size, bits of the float scale.
+// Day 4's kernel: the vector schedule for every query row, whatever its sequence's query
+// length (a multi-token query is just several rows, each walking its own causal range).
+// Grid: one threadgroup per (query row, KV head).
 template <typename T, int HEAD_DIM, int GROUP>
-void paged_attention_jit_entry(
+void paged_attention_vector_entry(
     const device T* q,
     const device T* k_pages,
     const device T* v_pages,
@@ -421,68 +346,67 @@ void paged_attention_jit_entry(
     const device int* query_start_loc,
     const device int* params,
     device T* out,
-    threadgroup float* tg_m,
-    threadgroup float* tg_l,
-    threadgroup float* tg_acc,
-    threadgroup float* k_tile,
-    threadgroup float* v_tile,
-    threadgroup float* scratch,
+    threadgroup float* tg_memory,
     uint3 tg_pos,
-    uint3 num_groups,
+    uint sg,
+    uint lane) {
+  const PagedParams p = read_params(params);
+  paged_attention_impl<T, HEAD_DIM, GROUP>(
+      q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
+      p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_memory,
+      tg_memory + offset_simd_sums(GROUP), tg_memory + offset_accumulator(GROUP), tg_pos.x,
+      tg_pos.y, sg, lane);
+}
+
+// Day 5's kernel: one dispatch serves a mixed batch. Threadgroup x < T takes query row x
+// with the vector schedule if its sequence has a single query; the threadgroups after
+// those take (sequence, query tile) pairs with the tiled schedule if the sequence has
+// several (tiles_per_sequence per sequence, as the host sized the grid). The choice is
+// uniform per threadgroup, so every barrier is reached by all its threads.
+template <typename T, int HEAD_DIM, int GROUP>
+void paged_attention_flash_entry(
+    const device T* q,
+    const device T* k_pages,
+    const device T* v_pages,
+    const device int* block_table,
+    const device int* context_lens,
+    const device int* query_start_loc,
+    const device int* params,
+    device T* out,
+    threadgroup float* tg_memory,
+    uint3 tg_pos,
     uint sg,
     uint lane,
     uint tid) {
-  paged_attention_dispatch<T, HEAD_DIM, GROUP>(
-      q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, params[0],
-      params[1], params[2], params[3], params[4], as_type<float>(params[5]), tg_m, tg_l,
-      tg_acc, k_tile, v_tile, scratch, tg_pos, num_groups, sg, lane, tid);
+  const PagedParams p = read_params(params);
+  const int total_rows = query_start_loc[p.num_seqs];
+  const int x = int(tg_pos.x);
+  if (x < total_rows) {
+    int b = 0;
+    while (b + 1 < p.num_seqs && query_start_loc[b + 1] <= x) {
+      b += 1;
+    }
+    if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
+      paged_attention_impl<T, HEAD_DIM, GROUP>(
+          q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
+          p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_memory,
+          tg_memory + offset_simd_sums(GROUP), tg_memory + offset_accumulator(GROUP), tg_pos.x,
+          tg_pos.y, sg, lane);
+    }
+  } else {
+    const int tiles_per_seq = tiles_per_sequence(total_rows, GROUP);
+    const int b = (x - total_rows) / tiles_per_seq;
+    const int tile = (x - total_rows) % tiles_per_seq;
+    if (b < p.num_seqs) {
+      const int query_len = query_start_loc[b + 1] - query_start_loc[b];
+      if (query_len > 1 && tile * tile_rows(GROUP) < query_len) {
+        paged_flash_impl<T, HEAD_DIM, GROUP>(
+            q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, b, tile,
+            p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale,
+            tg_memory + offset_k_tile(GROUP, HEAD_DIM), tg_memory + offset_v_tile(GROUP, HEAD_DIM),
+            tg_memory + offset_scratch(GROUP, HEAD_DIM), tg_memory, tg_pos.y, sg, lane, tid);
+      }
+    }
+  }
 }
-
-// The vector schedule alone as a kernel with an explicit signature (every row, whatever
-// its query length), for `xcrun metal -c` and the emulator.
-template <typename T, int HEAD_DIM, int GROUP>
-[[kernel]] void paged_attention_decode(
-    const device T* q [[buffer(0)]],
-    const device T* k_pages [[buffer(1)]],
-    const device T* v_pages [[buffer(2)]],
-    const device int* block_table [[buffer(3)]],
-    const device int* context_lens [[buffer(4)]],
-    const device int* query_start_loc [[buffer(5)]],
-    device T* out [[buffer(6)]],
-    constant PagedAttentionParams& p [[buffer(7)]],
-    uint3 tg_pos [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float tg_m[kSimdgroups * GROUP];
-  threadgroup float tg_l[kSimdgroups * GROUP];
-  threadgroup float tg_acc[GROUP * HEAD_DIM];
-  paged_attention_impl<T, HEAD_DIM, GROUP>(
-      q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
-      p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_m, tg_l, tg_acc,
-      tg_pos.x, tg_pos.y, sg, lane);
-}
-
-template [[host_name("paged_attention_decode_float_64_3")]] [[kernel]]
-decltype(paged_attention_decode<float, 64, 3>) paged_attention_decode<float, 64, 3>;
-template [[host_name("paged_attention_decode_float_128_4")]] [[kernel]]
-decltype(paged_attention_decode<float, 128, 4>) paged_attention_decode<float, 128, 4>;
-template [[host_name("paged_attention_decode_half_64_1")]] [[kernel]]
-decltype(paged_attention_decode<half, 64, 1>) paged_attention_decode<half, 64, 1>;
-template [[host_name("paged_attention_decode_float_96_8")]] [[kernel]]
-decltype(paged_attention_decode<float, 96, 8>) paged_attention_decode<float, 96, 8>;
-template [[host_name("paged_attention_decode_float_64_1")]] [[kernel]]
-decltype(paged_attention_decode<float, 64, 1>) paged_attention_decode<float, 64, 1>;
-template [[host_name("paged_attention_decode_half_128_4")]] [[kernel]]
-decltype(paged_attention_decode<half, 128, 4>) paged_attention_decode<half, 128, 4>;
-template [[host_name("paged_attention_float_64_3")]] [[kernel]]
-decltype(paged_attention<float, 64, 3>) paged_attention<float, 64, 3>;
-template [[host_name("paged_attention_float_128_4")]] [[kernel]]
-decltype(paged_attention<float, 128, 4>) paged_attention<float, 128, 4>;
-template [[host_name("paged_attention_half_64_1")]] [[kernel]]
-decltype(paged_attention<half, 64, 1>) paged_attention<half, 64, 1>;
-template [[host_name("paged_attention_float_96_8")]] [[kernel]]
-decltype(paged_attention<float, 96, 8>) paged_attention<float, 96, 8>;
-template [[host_name("paged_attention_float_64_1")]] [[kernel]]
-decltype(paged_attention<float, 64, 1>) paged_attention<float, 64, 1>;
-template [[host_name("paged_attention_half_128_4")]] [[kernel]]
-decltype(paged_attention<half, 128, 4>) paged_attention<half, 128, 4>;
+// ANCHOR_END: metal_dispatch

@@ -32,6 +32,7 @@ typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef unsigned long ulong;
 typedef _Float16 half;
+typedef _Float16 float16_t;  // MLX's name for half (its JIT signatures use it)
 
 namespace metal {
 
@@ -688,12 +689,33 @@ namespace mtl_emu {
 
 inline constexpr int zero[1] = {0};
 
+// A pointer into the `constant` address space. The pre-pass turns `constant T*`
+// declarations into this type so that, as in Metal, it does not convert to a `device`
+// pointer (passing one where a `device` pointer is expected is a compile error); reading
+// through it works as through any pointer.
+template <class T> struct constant_ptr {
+  T* p;
+  T& operator[](long i) const { return p[i]; }
+  T& operator*() const { return *p; }
+  T* operator->() const { return p; }
+  constant_ptr operator+(long i) const { return {p + i}; }
+  constant_ptr operator-(long i) const { return {p - i}; }
+  constant_ptr& operator+=(long i) { p += i; return *this; }
+  constant_ptr& operator++() { ++p; return *this; }
+  long operator-(constant_ptr o) const { return p - o.p; }
+  bool operator==(constant_ptr o) const { return p == o.p; }
+  bool operator!=(constant_ptr o) const { return p != o.p; }
+};
+
 // The value of a [[buffer(n)]] default argument: converts to the parameter's
 // pointer type, or to a reference (`constant Params& p`) after checking that
 // the bound buffer holds at least sizeof(Params) bytes.
 struct BufRef {
   int index;
   template <class T> operator T*() const { return static_cast<T*>(buffer_pointer(index, 0, "")); }
+  template <class T> operator constant_ptr<T>() const {
+    return {static_cast<T*>(buffer_pointer(index, 0, ""))};
+  }
   template <class T> operator T&() const {
     return *static_cast<T*>(buffer_pointer(index, sizeof(T), type_name<T>()));
   }
@@ -784,19 +806,10 @@ struct Registrar {
 #define kernel
 #define buffer(n) ]] = ::mtl_emu::buffer_arg[(n) + ::mtl_emu::zero[0
 #define mtl_emu_threadgroup_param(n) ]] = ::mtl_emu::tg_param_arg[(n) + ::mtl_emu::zero[0
+// Position attributes: the pre-pass rewrites `[[thread_index_in_simdgroup]]` into
+// `[[MTL_EMU_POS(kLane)]]` (source.POSITION_ATTRIBUTES), so variables may carry the
+// attribute's name, as MLX's generated kernels do.
 #define MTL_EMU_POS(k) ]] = ::mtl_emu::pos_arg[::mtl_emu::k + ::mtl_emu::zero[0
-#define thread_position_in_grid MTL_EMU_POS(kPosInGrid)
-#define thread_position_in_threadgroup MTL_EMU_POS(kPosInTg)
-#define threadgroup_position_in_grid MTL_EMU_POS(kTgPos)
-#define threads_per_threadgroup MTL_EMU_POS(kTgSize)
-#define threadgroups_per_grid MTL_EMU_POS(kNGroups)
-#define threads_per_grid MTL_EMU_POS(kGridSize)
-#define thread_index_in_threadgroup MTL_EMU_POS(kIndexInTg)
-#define thread_index_in_simdgroup MTL_EMU_POS(kLane)
-#define simdgroup_index_in_threadgroup MTL_EMU_POS(kSimdgroup)
-#define threads_per_simdgroup MTL_EMU_POS(kSimdWidth)
-#define thread_execution_width MTL_EMU_POS(kSimdWidth)
-#define simdgroups_per_threadgroup MTL_EMU_POS(kNSimdgroups)
 #define max_total_threads_per_threadgroup(n)
 
 #define HALF_MAX 65504.0f

@@ -1,9 +1,11 @@
-// Paged attention ops for tiny_llm: one block-table interface, CPU kernels in C++ and
-// Metal kernels (JIT-compiled by MLX) for Apple GPUs.
+// Paged attention ops for tiny_llm: one block-table interface, CPU kernels in C++
+// (cpu_attention.cpp) and Metal kernels JIT-compiled by MLX on Apple GPUs (metal_launch.cpp).
 //
 //   paged_attention(q [T, Hq, D], k_pages, v_pages [P, page_size, Hkv, D],
 //                   block_table int32 [B, max_pages], context_lens int32 [B],
-//                   query_start_loc int32 [B + 1], scale) -> [T, Hq, D]
+//                   query_start_loc int32 [B + 1], scale, tiled) -> [T, Hq, D]
+//       tiled: rows of multi-token queries take the tiled schedule (Day 5); otherwise
+//       every row takes the vector schedule (Day 4).
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //
@@ -28,6 +30,7 @@ mx::array paged_attention(
     const mx::array& context_lens,
     const mx::array& query_start_loc,
     float scale,
+    bool tiled = true,
     mx::StreamOrDevice s = {});
 
 std::tuple<mx::array, mx::array> paged_kv_write(
@@ -42,12 +45,10 @@ std::tuple<mx::array, mx::array> paged_kv_write(
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
 int pool_copies();
 
-// Threads the CPU kernels may use (default: the machine's hardware threads).
-void set_num_threads(int n);
-
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  PagedAttention(mx::Stream stream, float scale, bool tiled)
+      : mx::Primitive(stream), scale_(scale), tiled_(tiled) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "PagedAttention"; }
@@ -55,6 +56,7 @@ class PagedAttention : public mx::Primitive {
 
  private:
   float scale_;
+  bool tiled_;
 };
 
 // Inputs: one pool, its new rows, the slot mapping. Output: the pool after the write.

@@ -1,0 +1,159 @@
+// CPU schedules of paged attention (see cpu_attention.h).
+#include "cpu_attention.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "mlx/types/half_types.h"
+#include "worker_pool.h"
+
+namespace tiny_llm {
+
+namespace {
+
+// ANCHOR: cpu_page_update
+// Fold one page of keys into the online softmax of one (query row, head): scores for
+// the first `n` keys, then rescale (m, l, acc) to the new running max and add p * V.
+// Both schedules call exactly this, so a row's result does not depend on the schedule
+// or on how the prompt was chunked.
+inline void fold_page(const float* qrow, const float* k, const float* v, int64_t stride, int n,
+                      int D, float* score, float& m, float& l, float* acc) {
+  float page_max = -FLT_MAX;
+  for (int t = 0; t < n; ++t) {
+    const float* krow = k + t * stride;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int d = 0; d < D; ++d) dot += qrow[d] * krow[d];
+    score[t] = dot;
+    page_max = std::max(page_max, dot);
+  }
+  const float new_m = std::max(m, page_max);
+  const float correction = std::exp(m - new_m);
+  l *= correction;
+  for (int d = 0; d < D; ++d) acc[d] *= correction;
+  m = new_m;
+  for (int t = 0; t < n; ++t) {
+    const float p = std::exp(score[t] - new_m);
+    l += p;
+    const float* vrow = v + t * stride;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) acc[d] += p * vrow[d];
+  }
+}
+// ANCHOR_END: cpu_page_update
+
+// ANCHOR: cpu_schedules
+// `rows` consecutive query rows of one sequence (absolute positions first_pos, ...),
+// for the G query heads sharing KV head `kv_head`, over the sequence's pages.
+//
+// rows == 1 is the vector (decode) schedule. rows > 1 is the tiled schedule: a query
+// tile against one page (key tile) at a time, so each K/V page is read once for the
+// whole tile; pages past the tile's last position are never visited (tiles above the
+// causal diagonal are skipped) and, on the diagonal page, each row stops at itself.
+template <typename T>
+void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
+                 const T* v_pages, const int32_t* table, int kv_head, const CpuAttentionShape& g) {
+  const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, ps = g.page_size;
+  const int R = rows * G;  // (row, head) pairs of the tile
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
+  const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
+  constexpr bool kIsFloat = std::is_same_v<T, float>;
+  thread_local std::vector<float> buf;
+  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + ps + (kIsFloat ? 0 : 2 * ps * D)), 0.0f);
+  float* qf = buf.data();
+  float* acc = qf + R * D;
+  float* m = acc + R * D;
+  float* l = m + R;
+  float* score = l + R;
+  float* kv_f = score + ps;  // the page converted to float (half/bfloat pages only)
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x < G * D; ++x)
+      qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
+  std::fill(m, m + R, -FLT_MAX);
+  // ANCHOR: cpu_tile_walk
+  const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
+  for (int start = 0, j = 0; start < num_keys; start += ps, ++j) {
+    const int n = std::min(ps, num_keys - start);
+    // Address translation: logical page j of this sequence is physical page table[j].
+    const int64_t base = static_cast<int64_t>(table[j]) * ps * slot_stride + kv_head * D;
+    const float* k;
+    const float* v;
+    int64_t stride;
+    if constexpr (kIsFloat) {
+      k = k_pages + base, v = v_pages + base, stride = slot_stride;
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int d = 0; d < D; ++d) {
+          kv_f[t * D + d] = static_cast<float>(k_pages[base + t * slot_stride + d]);
+          kv_f[(ps + t) * D + d] = static_cast<float>(v_pages[base + t * slot_stride + d]);
+        }
+      k = kv_f, v = kv_f + ps * D, stride = D;
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, first_pos + r + 1 - start);  // causal within the page
+      if (visible <= 0) continue;
+      for (int gi = 0; gi < G; ++gi) {
+        const int x = r * G + gi;
+        fold_page(qf + x * D, k, v, stride, visible, D, score, m[x], l[x], acc + x * D);
+      }
+    }
+  }
+  // ANCHOR_END: cpu_tile_walk
+  for (int r = 0; r < rows; ++r)
+    for (int gi = 0; gi < G; ++gi) {
+      const int x = r * G + gi;
+      for (int d = 0; d < D; ++d)
+        out[r * row_elems + gi * D + d] = static_cast<T>(acc[x * D + d] / l[x]);
+    }
+}
+
+}  // namespace
+
+// Work items: one per (query tile, KV head), a tile being up to g.query_tile consecutive
+// rows of one sequence (a decode row is a tile of one); each walks only its own
+// sequence's block table.
+template <typename T>
+void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
+                         const int32_t* context_lens, const int32_t* qsl, T* out,
+                         const CpuAttentionShape& g) {
+  struct Tile { int seq, row, rows; };
+  std::vector<Tile> tiles;
+  double keys = 0;
+  for (int b = 0; b < g.num_seqs; ++b) {
+    const int len = qsl[b + 1] - qsl[b];
+    for (int r = qsl[b]; r < qsl[b + 1]; r += g.query_tile)
+      tiles.push_back({b, r, std::min(g.query_tile, qsl[b + 1] - r)});
+    keys += double(context_lens[b]) * len;
+  }
+  const int G = g.n_heads / g.n_kv_heads;
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
+  const int items = static_cast<int>(tiles.size()) * g.n_kv_heads;
+  const double flops = 4.0 * G * g.head_dim * keys / std::max(1, items);
+  parallel_for(items, flops, [&](int item) {
+    const Tile& tile = tiles[item / g.n_kv_heads];
+    const int h = item % g.n_kv_heads, b = tile.seq;
+    const int query_len = qsl[b + 1] - qsl[b];
+    const int first_pos = context_lens[b] - query_len + (tile.row - qsl[b]);
+    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(h) * G * g.head_dim;
+    attend_rows(q + offset, out + offset, tile.rows, first_pos, k_pages, v_pages,
+                tables + static_cast<int64_t>(b) * g.max_pages, h, g);
+  });
+}
+// ANCHOR_END: cpu_schedules
+
+template void paged_attention_cpu<float>(const float*, const float*, const float*,
+                                         const int32_t*, const int32_t*, const int32_t*, float*,
+                                         const CpuAttentionShape&);
+template void paged_attention_cpu<mlx::core::float16_t>(
+    const mlx::core::float16_t*, const mlx::core::float16_t*, const mlx::core::float16_t*,
+    const int32_t*, const int32_t*, const int32_t*, mlx::core::float16_t*,
+    const CpuAttentionShape&);
+template void paged_attention_cpu<mlx::core::bfloat16_t>(
+    const mlx::core::bfloat16_t*, const mlx::core::bfloat16_t*, const mlx::core::bfloat16_t*,
+    const int32_t*, const int32_t*, const int32_t*, mlx::core::bfloat16_t*,
+    const CpuAttentionShape&);
+
+}  // namespace tiny_llm

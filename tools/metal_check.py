@@ -1,0 +1,77 @@
+"""Compile the kernels MLX's JIT would build, with Apple's Metal compiler (`make metal-check`).
+
+For a set of model geometries (the default model's among them), ask the extension for the
+launch plan of both schedules, write the kernel source MLX would compile for it
+(``tools/metal_emulator/mlx_jit.py``) and compile it with ``xcrun metal``. MLX prepends its
+own ``utils.h`` to every JIT kernel; of it the kernels use only two type names, defined here.
+
+    python tools/metal_check.py            # compile (macOS with Xcode's Metal toolchain)
+    python tools/metal_check.py --emit DIR # only write the sources (any machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiny_llm  # noqa: E402, F401  (before mlx)
+from tiny_llm.extension import extension  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from metal_emulator.mlx_jit import kernel_source  # noqa: E402
+
+MLX_UTILS_TYPES = "typedef half float16_t;\ntypedef bfloat bfloat16_t;\n"
+
+# (name, query heads, KV heads, head_dim, dtype)
+GEOMETRIES = [
+    ("smollm2-135m", 9, 3, 64, mx.float32),
+    ("smollm2-135m-f16", 9, 3, 64, mx.float16),
+    ("qwen3-0.6b", 16, 8, 128, mx.float16),
+    ("qwen3-4b-bf16", 32, 8, 128, mx.bfloat16),
+    ("mha", 4, 4, 64, mx.float32),
+]
+
+
+def sources() -> dict[str, str]:
+    out = {}
+    for name, n_heads, n_kv_heads, head_dim, dtype in GEOMETRIES:
+        q = mx.zeros((3, n_heads, head_dim), dtype)
+        pages = mx.zeros((4, 16, n_kv_heads, head_dim), dtype)
+        table = mx.array([[0, 1], [2, -1]], dtype=mx.int32)
+        ctx, qsl = mx.array([20, 1], dtype=mx.int32), mx.array([0, 2, 3], dtype=mx.int32)
+        for tiled in (False, True):
+            plan = extension().metal_launch_plan(q, pages, pages, table, ctx, qsl, 0.125,
+                                                 tiled=tiled)
+            _, text = kernel_source(plan)
+            out[f"{name}-{'flash' if tiled else 'vector'}.metal"] = MLX_UTILS_TYPES + text
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--emit", type=Path, help="write the sources here; do not compile")
+    args = parser.parse_args()
+    folder = args.emit or Path(tempfile.mkdtemp(prefix="tiny_llm_metal_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name, text in sources().items():
+        path = folder / file_name
+        path.write_text(text)
+        if args.emit:
+            continue
+        cmd = ["xcrun", "-sdk", "macosx", "metal", "-std=metal3.1", "-c", str(path),
+               "-o", str(path.with_suffix(".air"))]  # fmt: skip
+        if subprocess.run(cmd).returncode != 0:
+            print(f"metal-check: {file_name} does not compile", file=sys.stderr)
+            return 1
+        print(f"compiled {file_name}")
+    print(f"all kernel sources {'written to ' + str(folder) if args.emit else 'compile'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
