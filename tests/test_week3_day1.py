@@ -9,29 +9,20 @@ import copy
 import random
 
 from tiny_llm.day1_batching import (
-    ContinuousBatchingScheduler,
+    BatchingSimulator,
     continuous_batching_steps,
+    simulate_batching,
     static_batching_steps,
 )
 from tiny_llm.engine import LLMEngine
-from tiny_llm.generate import stream_generate
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
 import pytest
 
 
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
 def alone(model, tokenizer, prompt_ids, params) -> tuple[list[int], str]:
-    outs = list(stream_generate(model, tokenizer, prompt_ids, params))
-    return outs[-1].outputs[0].token_ids, outs[-1].outputs[0].text
-
-
-def random_prompts(n: int, seed: int, lo: int = 2, hi: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return served_alone(model, tokenizer, prompt_ids, params)
 
 
 def run_staggered(engine: LLMEngine, prompts, params, arrivals) -> dict[str, list[int]]:
@@ -235,10 +226,12 @@ def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tok
     static, continuous = static_batching_steps(lens, 4), continuous_batching_steps(lens, 4)
     # static: batch [30,3,3,3] takes 30 steps, batch [3,3,3,3] 3 more.
     assert static.steps == 33 and static.wasted_slot_steps == 33 * 4 - sum(lens)
+    assert simulate_batching(lens, 4, "static") == static  # the scheduler agrees
     # continuous: the long request holds one slot for 30 steps; three slots serve the
     # seven short requests (3 rounds of 3 steps) meanwhile.
     assert continuous.steps == 30 and continuous.wasted_slot_steps == 30 * 4 - sum(lens)
     assert continuous.wasted_slot_steps < static.wasted_slot_steps
+    assert simulate_batching(lens, 4, "continuous") == continuous
 
     for policy, stats in (("static", static), ("continuous", continuous)):
         engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy)
@@ -248,7 +241,7 @@ def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tok
 
 
 def test_model_free_scheduler_admits_and_retires_in_flight():
-    sim = ContinuousBatchingScheduler(max_batch=2)
+    sim = BatchingSimulator(max_batch=2)
     a, b, c = sim.add_request(4, 2), sim.add_request(1, 5), sim.add_request(2, 1)
     first = sim.step()
     assert first.scheduled == [(a.request_id, 4), (b.request_id, 1)]  # c waits for a slot
@@ -274,3 +267,16 @@ def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
     req = Request([1, 2], SamplingParams(max_tokens=1, stop=["STOP"]), HeldBack(), set(), 64)
     released = req.append_token(7)
     assert released == "ok " and req.output_text == "ok " and req.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_arithmetic_equals_the_scheduler(seed):
+    """The closed forms of the chapter (a static batch lasts as long as its longest request;
+    a continuous slot takes the next request as soon as its own ends) against the
+    scheduler itself driving fake requests."""
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 30))]
+    max_batch = rng.randint(1, 8)
+    for policy, closed_form in (("static", static_batching_steps),
+                                ("continuous", continuous_batching_steps)):
+        assert closed_form(lens, max_batch) == simulate_batching(lens, max_batch, policy), policy

@@ -7,25 +7,15 @@ advance every step while a long prompt is prefilled).
 
 import random
 
+from tiny_llm.day1_batching import StepBudget
 from tiny_llm.day2_chunked_prefill import TokenBudget
 from tiny_llm.engine import LLMEngine
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.runs import RecordingModel
 
 import mlx.core as mx
 import pytest
-
-
-class RecordingModel:
-    """Wraps the model to keep the logits of every forward the engine runs."""
-
-    def __init__(self, model):
-        self.model, self.config, self.dtype, self.logits = model, model.config, model.dtype, []
-
-    def __call__(self, tokens, positions, cache, logit_rows=None):
-        out = self.model(tokens, positions, cache, logit_rows)
-        self.logits.append(out)
-        return out
 
 
 def one_shot_last_logits(model, prompt):
@@ -56,7 +46,7 @@ def test_token_budget_grants_decodes_first_and_never_exceeds():
     assert budget.take_prefill(4) == 4
     assert budget.take_prefill(100) == 3 and budget.left == 0
     assert budget.take_decode() is False and budget.take_prefill(5) == 0
-    whole = TokenBudget(10, chunked=False)
+    whole = StepBudget(10)  # Day 1: a prompt whole or not at all
     assert whole.take_prefill(11) == 0 and whole.take_prefill(10) == 10
 
 

@@ -2,22 +2,22 @@
 against the dense engine of Days 1-2 (the oracle)."""
 
 import logging
-import random
 
-from tiny_llm.day1_batching import ContinuousBatchingScheduler
-from tiny_llm.day3_paged_kv import BlockManager, blocks_needed, kv_cache_blocks_fragmentation
+from tiny_llm.day3_paged_kv import (
+    BlockManager,
+    ContinuousBatchingScheduler,
+    blocks_needed,
+    kv_cache_blocks_fragmentation,
+)
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.runs import greedy, tokens_of, workload
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 PAGED = dict(kv_cache="paged", attention="gather")  # Day 3: attention gathers from the pages
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def test_block_math():
@@ -120,7 +120,7 @@ def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size,
         sim.step()
         step += 1
         for req, abort in added:
-            if abort and req.num_generated == 1 and req in sim.scheduler.running:
+            if abort and len(req.output_token_ids) == 1 and req in sim.scheduler.running:
                 sim.scheduler.retire(req)
         bm.check_invariants()
         held = {p for t in bm.tables.values() for p in t}
@@ -129,20 +129,7 @@ def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size,
         assert step < 2000, "no progress: livelock"
     assert bm.num_free_blocks == num_pages and not bm.tables  # nothing leaked
     for req, abort in added:
-        assert abort or req.num_generated == req.output_len
-
-
-def workload(n: int, seed: int, shared_prefix: int = 0):
-    rng = random.Random(seed)
-    prefix = [rng.randrange(100, 40000) for _ in range(shared_prefix)]
-    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 40))]
-               for _ in range(n)]
-    params = [greedy(rng.randint(2, 16)) for _ in range(n)]
-    return [{"prompt_token_ids": p} for p in prompts], params
-
-
-def tokens_of(engine, prompts, params):
-    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert abort or len(req.output_token_ids) == req.output_len
 
 
 def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
@@ -193,7 +180,12 @@ def test_request_that_can_never_fit_is_rejected(tiny_model, smollm_tokenizer):
         engine.add_request({"prompt_token_ids": [5]}, SamplingParams(max_tokens=None))
     outs = engine.generate({"prompt_token_ids": list(range(100, 120))}, greedy(12))
     assert len(outs[0].outputs[0].token_ids) == 12
-    assert running not in engine.requests  # finished alongside
+    # The request added with add_request finished alongside; its output waits for the next
+    # step() (the caller of add_request owns it), and then its id is free again.
+    assert engine.requests[running].is_finished
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [running] * 4 and outs[-1].finished
+    assert running not in engine.requests
 
 
 def test_abort_of_a_prefix_sharer_leaves_the_other_intact(tiny_model, smollm_tokenizer):

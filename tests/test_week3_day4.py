@@ -1,9 +1,10 @@
 """Day 4: attention that reads the pages in place.
 
-Oracle (DESIGN.md section 6): gather each sequence's rows out of the pool by address
-translation in numpy, then run the dense ``causal_attention`` written in plain MLX ops.
-Both page walks — the extension kernel and the MLX-op reference — must match it, and the
-engine running either of them must produce the same greedy tokens as the dense engine.
+Oracle: gather each sequence's rows out of the pool by address translation in numpy, then
+run the dense ``causal_attention`` written in plain MLX ops (``tiny_llm.testing.paged``).
+Both page walks — the extension's vector schedule and the MLX-op reference — must match
+it, and the engine running either of them must produce the same greedy tokens as the
+dense engine.
 
 Every case fills what a walk must never read (unused slots of used pages, unused pages,
 the page that a clamped -1 would name) with garbage: NaN or huge values. A walk that reads
@@ -13,9 +14,7 @@ one of them, or multiplies one by a zero probability, shows it in the output.
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 
-import tiny_llm.day4_paged_attention as day4
 from tiny_llm.day4_paged_attention import (
     check_metadata,
     paged_attention,
@@ -25,96 +24,33 @@ from tiny_llm.day4_paged_attention import (
 from tiny_llm.engine import LLMEngine
 from tiny_llm.extension import extension
 from tiny_llm.kv_cache import causal_attention
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.backends import CheckedAttention
+from tiny_llm.testing.paged import DTYPES, PagedCase, dense_reference, make_paged_case
+from tiny_llm.testing.runs import greedy, run_staggered
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # The oracle runs at float32 on the very values the pool stores (already rounded to the
 # dtype), and both walks accumulate in float32: what remains is float32 summation order
 # (float32 case) or the final rounding of the output to the dtype, half an ulp at most
 # (float16: 2^-11 relative, bfloat16: 2^-8), with a margin.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-HUGE = {"float32": 1e30, "float16": 6e4, "bfloat16": 1e30}
-WALKS = {"kernel": paged_attention, "reference": paged_attention_reference}
-
-
-# ---------------------------------------------------------------------------------------
-# Building paged cases and the dense oracle
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Case:
-    q: mx.array
-    k_pages: mx.array
-    v_pages: mx.array
-    block_table: mx.array
-    context_lens: mx.array
-    query_start_loc: mx.array
-    scale: float
-
-    def args(self):
-        return (self.q, self.k_pages, self.v_pages, self.block_table, self.context_lens,
-                self.query_start_loc, self.scale)
+WALKS = {"vector": paged_attention, "reference": paged_attention_reference}
 
 
 def make_case(seqs, *, dtype="float32", head_dim=64, page_size=16, group=1, n_kv_heads=2,
-              garbage="nan", extra_pages=3, seed=0) -> Case:
-    """``seqs`` is a list of (context_len, query_len). Pages are assigned from a shuffled
-    pool; page 0 and the last ``extra_pages - 1`` pages are never used. Everything no
-    sequence owns holds ``garbage``; unused table entries are -1, with one spare column."""
-    rng = np.random.default_rng(seed)
-    needed = [-(-ctx // page_size) for ctx, _ in seqs]
-    num_pages = sum(needed) + extra_pages
-    shape = (num_pages, page_size, n_kv_heads, head_dim)
-    fill = np.nan if garbage == "nan" else HUGE[dtype]
-    k = np.full(shape, fill, np.float32)
-    v = np.full(shape, -fill if garbage == "huge" else fill, np.float32)
-    ids = 1 + rng.permutation(num_pages - 1)  # page 0 stays garbage: -1 must not read it
-    table = np.full((len(seqs), max(needed) + 1), -1, np.int32)
-    start = 0
-    for b, ((ctx, _), n) in enumerate(zip(seqs, needed, strict=True)):
-        table[b, :n] = ids[start : start + n]
-        start += n
-        for p in range(ctx):
-            page, slot = table[b, p // page_size], p % page_size
-            k[page, slot] = rng.standard_normal((n_kv_heads, head_dim))
-            v[page, slot] = rng.standard_normal((n_kv_heads, head_dim))
-    query_lens = [L for _, L in seqs]
-    T = sum(query_lens)
-    q = 1.5 * rng.standard_normal((T, n_kv_heads * group, head_dim)).astype(np.float32)
-    dt = DTYPES[dtype]
-    return Case(
-        mx.array(q).astype(dt), mx.array(k).astype(dt), mx.array(v).astype(dt),
-        mx.array(table), mx.array([c for c, _ in seqs], dtype=mx.int32),
-        mx.array(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)),
-        float(1.0 / np.sqrt(head_dim)),
-    )
+              garbage="nan", seed=0) -> PagedCase:
+    return make_paged_case(seqs, dtype=dtype, head_dim=head_dim, page_size=page_size,
+                           group=group, n_kv_heads=n_kv_heads, garbage=garbage, seed=seed)
 
 
 def f32(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32))
 
 
-def dense_oracle(case: Case) -> np.ndarray:
-    """Address translation in numpy, then the plain-MLX dense attention, at float32."""
-    q, k, v = f32(case.q), f32(case.k_pages), f32(case.v_pages)
-    table, ctx = np.array(case.block_table), np.array(case.context_lens)
-    qsl = np.array(case.query_start_loc)
-    page_size = k.shape[1]
-    outs = []
-    for b in range(len(ctx)):
-        pos = np.arange(ctx[b])
-        pages, slots = table[b, pos // page_size], pos % page_size
-        assert (pages >= 0).all()
-        lo, hi = qsl[b], qsl[b + 1]
-        out = causal_attention(mx.array(q[lo:hi]), mx.array(k[pages, slots]),
-                               mx.array(v[pages, slots]), case.scale, int(ctx[b] - (hi - lo)))
-        outs.append(np.array(out))
-    return np.concatenate(outs)
+dense_oracle = dense_reference
 
 
 def standard_seqs(ps: int, long: bool = False):
@@ -166,7 +102,7 @@ def test_page_walk_matches_dense_oracle(walk, dtype, head_dim, page_size, group,
     assert_matches_oracle(walk, case, dtype, garbage)
 
 
-def assert_matches_oracle(walk: str, case: Case, dtype: str, garbage: str) -> None:
+def assert_matches_oracle(walk: str, case: PagedCase, dtype: str, garbage: str) -> None:
     out = WALKS[walk](*case.args())
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     got, want = f32(out), dense_oracle(case)
@@ -188,8 +124,7 @@ def test_oracle_tolerance_is_sharp_enough_to_see_an_off_by_one():
     case = make_case([(37, 5)], page_size=8, group=4, garbage="huge")
     want = dense_oracle(case)
     shifted = make_case([(37, 5)], page_size=8, group=4, garbage="huge")
-    shifted.context_lens = mx.array([36], dtype=mx.int32)
-    shifted.query_start_loc = mx.array([0, 5], dtype=mx.int32)
+    shifted.context_lens = [36]
     got = f32(paged_attention(*shifted.args()))
     assert np.abs(got - want).max() > 100 * TOL["float32"]
 
@@ -564,10 +499,6 @@ def test_cpp_op_rejects_q_that_does_not_fit_the_pages():
 # ---------------------------------------------------------------------------------------
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
 def staggered_jobs(seed: int, n: int, shared_prefix: int = 0):
     rng = np.random.default_rng(seed)
     prefix = rng.integers(100, 40000, shared_prefix).tolist()
@@ -577,41 +508,6 @@ def staggered_jobs(seed: int, n: int, shared_prefix: int = 0):
          greedy(int(rng.integers(2, 14))))
         for _ in range(n)
     ]
-
-
-def run_staggered(engine, jobs) -> list[list[int]]:
-    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
-    ids, tokens, step = {}, {}, 0
-    while order or engine.has_unfinished_requests():
-        while order and jobs[order[0]][0] <= step:
-            i = order.pop(0)
-            ids[engine.add_request(jobs[i][1], jobs[i][2])] = i
-        for out in engine.step():
-            if out.finished:
-                tokens[ids[out.request_id]] = out.outputs[0].token_ids
-        step += 1
-        assert step < 2000, "no progress"
-    return [tokens[i] for i in range(len(jobs))]
-
-
-@pytest.fixture
-def checked_kernel(monkeypatch):
-    """Count the engine's kernel calls and check its metadata on every call (the engine
-    passes validate=False)."""
-    calls = {"attention": 0, "write": 0}
-    attention, write = day4.paged_attention, day4.paged_kv_write
-
-    def checked_attention(*args, validate=True, **kwargs):
-        calls["attention"] += 1
-        return attention(*args, validate=True, **kwargs)
-
-    def checked_write(*args, validate=True, **kwargs):
-        calls["write"] += 1
-        return write(*args, validate=True, **kwargs)
-
-    monkeypatch.setattr(day4, "paged_attention", checked_attention)
-    monkeypatch.setattr(day4, "paged_kv_write", checked_write)
-    return calls
 
 
 SCENARIOS = {
@@ -626,7 +522,7 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_tokenizer,
-                                                         checked_kernel, scenario):
+                                                         scenario):
     spec = SCENARIOS[scenario]
     jobs = staggered_jobs(**spec["jobs"])
     common = dict(max_num_seqs=4, max_num_batched_tokens=16)
@@ -634,18 +530,17 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
     expected = run_staggered(dense, jobs)
     copies = extension().pool_copies()
     results, stats = {}, {}
-    for attention in ("kernel", "reference", "gather"):
+    for attention in ("vector", "reference", "gather"):
         engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", attention=attention,
                            page_size=4, **common, **spec["paged"])
+        checked = engine.attention = CheckedAttention(engine.attention)  # metadata checked
         results[attention] = run_staggered(engine, jobs)
         stats[attention] = engine.stats()
         engine.kv.blocks.check_invariants()
-        if attention == "kernel":
+        layers = tiny_model.config.num_hidden_layers
+        assert checked.calls == layers * stats[attention]["num_steps"] > 0
+        if attention == "vector":
             kernel_copies = extension().pool_copies() - copies
-    assert checked_kernel["attention"] > 0 and checked_kernel["write"] > 0
-    layers = tiny_model.config.num_hidden_layers
-    assert checked_kernel["attention"] == checked_kernel["write"] == layers * stats["kernel"][
-        "num_steps"]
     for attention, tokens in results.items():
         assert tokens == expected, f"attention={attention} differs from the dense engine"
     for s in stats.values():
@@ -658,7 +553,7 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
     assert len({(s["num_steps"], s["num_preemptions"]) for s in stats.values()}) == 1
     assert kernel_copies == 0, (
         f"the kernel engine copied a whole K/V pool {kernel_copies} times in "
-        f"{stats['kernel']['num_steps']} steps ({layers} layers x 2 pools per step): the "
+        f"{stats['vector']['num_steps']} steps ({layers} layers x 2 pools per step): the "
         "in-place write is not in place (see test_kv_write_is_in_place_when_the_caller_"
         "drops_the_old_pool)"
     )

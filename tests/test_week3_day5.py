@@ -22,22 +22,26 @@ softmax vs one softmax, ~1e-6; 2e-5 allowed at 250+ keys).
 
 import math
 import random
-from dataclasses import dataclass
 
-import tiny_llm.day3_paged_kv as day3
-import tiny_llm.day4_paged_attention as day4
-import tiny_llm.kv_cache as kv_cache
+from tiny_llm.day3_paged_kv import PagePool
 from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
+from tiny_llm.day5_paged_flash import (
+    flash_schedule,
+    paged_flash_attention,
+    paged_flash_reference,
+    tile_rows,
+)
 from tiny_llm.engine import LLMEngine
 from tiny_llm.extension import extension
-from tiny_llm.kv_cache import DenseKVCache, causal_attention
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.kv_cache import DenseKVCache
+from tiny_llm.testing.backends import CheckedAttention
+from tiny_llm.testing.paged import DTYPES, PagedCase, block_table, dense_reference, make_paged_case
+from tiny_llm.testing.runs import RecordingModel, greedy, tokens_of
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # (relative, absolute) error allowed against the float32 oracle; see the module docstring.
 TOLERANCE = {"float32": (2e-5, 2e-5), "float16": (2**-11 + 2e-5, 2e-5),
              "bfloat16": (2**-8 + 2e-5, 2e-5)}
@@ -48,60 +52,19 @@ SHARPEN = 3.0  # q scale: peaked attention, so one wrongly (in)visible key shows
 # Op-level cases: sequences over a shuffled pool whose unowned slots are poisoned.
 
 
-@dataclass
-class Case:
-    q: mx.array  # [T, Hq, D]
-    k_pages: mx.array
-    v_pages: mx.array
-    tables: list[list[int]]  # each sequence's pages, in logical order
-    context_lens: list[int]
-    query_lens: list[int]
-    page_size: int
-    scale: float
-
-    @property
-    def query_start_loc(self) -> list[int]:
-        return [0, *np.cumsum(self.query_lens).tolist()]
-
-
 def build_case(seqs, *, page_size, n_heads, n_kv_heads, head_dim, dtype, seed,
-               spare_pages=3, poison=float("nan")) -> Case:
-    """``seqs``: (context_len, query_len) per sequence. Pages are a random permutation of
-    the pool; every slot no sequence owns (spare pages, tails of last pages) holds
-    ``poison``, so a kernel that reads past a context shows it."""
-    rng = np.random.default_rng(seed)
-    needed = [-(-ctx // page_size) for ctx, _ in seqs]
-    num_pages = sum(needed) + spare_pages
-    order = rng.permutation(num_pages).tolist()
-    tables, at = [], 0
-    for n in needed:
-        tables.append(order[at : at + n])
-        at += n
-    shape = (num_pages, page_size, n_kv_heads, head_dim)
-    k = rng.standard_normal(shape).astype(np.float32)
-    v = rng.standard_normal(shape).astype(np.float32)
-    owned = np.zeros((num_pages, page_size), dtype=bool)
-    for (ctx, _), table in zip(seqs, tables, strict=True):
-        for p in range(ctx):
-            owned[table[p // page_size], p % page_size] = True
-    k[~owned] = poison
-    v[~owned] = poison
-    total = sum(ql for _, ql in seqs)
-    q = rng.standard_normal((total, n_heads, head_dim)).astype(np.float32) * SHARPEN
-    return Case(mx.array(q).astype(dtype), mx.array(k).astype(dtype),
-                mx.array(v).astype(dtype), tables, [c for c, _ in seqs],
-                [ql for _, ql in seqs], page_size, head_dim**-0.5)
+               spare_pages=3, poison=float("nan")) -> PagedCase:
+    return make_paged_case(seqs, dtype=dtype, head_dim=head_dim, page_size=page_size,
+                           group=n_heads // n_kv_heads, n_kv_heads=n_kv_heads,
+                           garbage="nan" if poison != poison else poison,
+                           spare_pages=spare_pages, seed=seed, q_scale=SHARPEN)
 
 
 def table_array(tables: list[list[int]], width: int | None = None) -> mx.array:
-    width = max(len(t) for t in tables) + 1 if width is None else width  # spare -1 column
-    table = np.full((len(tables), width), -1, dtype=np.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = t
-    return mx.array(table)
+    return block_table(tables, max(len(t) for t in tables) + 1 if width is None else width)
 
 
-def run_op(case: Case, op=paged_attention, k_pages=None, v_pages=None) -> mx.array:
+def run_op(case: PagedCase, op=paged_flash_attention, k_pages=None, v_pages=None) -> mx.array:
     k_pages = case.k_pages if k_pages is None else k_pages
     v_pages = case.v_pages if v_pages is None else v_pages
     out = op(case.q, k_pages, v_pages, table_array(case.tables),
@@ -111,7 +74,7 @@ def run_op(case: Case, op=paged_attention, k_pages=None, v_pages=None) -> mx.arr
     return out
 
 
-def run_rows(case: Case, seq: int, first: int, count: int, row_offset: int = 0) -> mx.array:
+def run_rows(case: PagedCase, seq: int, first: int, count: int, row_offset: int = 0) -> mx.array:
     """Rows ``first .. first + count - 1`` of sequence ``seq``'s query, computed as a query
     of their own over the context they see (the table cut to that context). With
     ``row_offset``, a sequence of that many rows (over ``seq``'s first pages) comes first in
@@ -124,9 +87,9 @@ def run_rows(case: Case, seq: int, first: int, count: int, row_offset: int = 0) 
         q = mx.concatenate([case.q[:row_offset], q])
         tables = [case.tables[seq][: -(-row_offset // case.page_size)], table]
         ctxs, qsl = [row_offset, ctx], [0, row_offset, row_offset + count]
-    out = paged_attention(q, case.k_pages, case.v_pages, table_array(tables),
-                          mx.array(ctxs, dtype=mx.int32), mx.array(qsl, dtype=mx.int32),
-                          case.scale)
+    out = paged_flash_attention(q, case.k_pages, case.v_pages, table_array(tables),
+                                mx.array(ctxs, dtype=mx.int32), mx.array(qsl, dtype=mx.int32),
+                                case.scale)
     mx.eval(out)
     return out[row_offset:]
 
@@ -135,25 +98,11 @@ def bits(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32))
 
 
-def dense_oracle(case: Case) -> mx.array:
-    """float32 ``causal_attention`` per sequence over its rows gathered by address
-    translation (position p: page ``table[p // page_size]``, slot ``p % page_size``)."""
-    outs = []
-    qsl = case.query_start_loc
-    for b, (table, ctx) in enumerate(zip(case.tables, case.context_lens, strict=True)):
-        pos = np.arange(ctx)
-        pages = mx.array(np.array(table, dtype=np.int32)[pos // case.page_size])
-        slots = mx.array((pos % case.page_size).astype(np.int32))
-        k = case.k_pages[pages, slots].astype(mx.float32)
-        v = case.v_pages[pages, slots].astype(mx.float32)
-        q = case.q[qsl[b] : qsl[b + 1]].astype(mx.float32)
-        outs.append(causal_attention(q, k, v, case.scale, ctx - case.query_lens[b]))
-    out = mx.concatenate(outs)
-    mx.eval(out)
-    return out
+def dense_oracle(case: PagedCase) -> mx.array:
+    return mx.array(dense_reference(case))
 
 
-def assert_close(got: mx.array, want: mx.array, dtype_name: str, case: Case, what: str):
+def assert_close(got: mx.array, want: mx.array, dtype_name: str, case: PagedCase, what: str):
     rtol, atol = TOLERANCE[dtype_name]
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     assert np.isfinite(g).all(), f"{what}: non-finite output (a poisoned slot was read?)"
@@ -218,6 +167,58 @@ def test_tiled_schedule_matches_the_reference_page_walk(dtype_name, page_size, h
     assert (err <= 2e-5 + ulp * np.abs(want)).all(), f"kernel vs page walk: max {err.max():.3g}"
 
 
+# ---------------------------------------------------------------------------------------
+# The schedule's Python side: which rows take which schedule, and the tiled reference walk.
+
+
+def test_flash_schedule_covers_every_row_once_in_tiles_of_the_kernel_height():
+    qsl = [0, 1, 38, 39, 55, 56, 57, 157]  # decode, 37 rows, decode, 16, decode, decode, 100
+    for height in (1, 7, 16, 21):
+        schedule = flash_schedule(qsl, height)
+        rows = list(schedule.vector_rows)
+        for tile in schedule.tiles:
+            assert 1 <= tile.num_rows <= height
+            assert qsl[tile.seq] <= tile.first_row < tile.first_row + tile.num_rows <= qsl[
+                tile.seq + 1]
+            rows += range(tile.first_row, tile.first_row + tile.num_rows)
+        assert sorted(rows) == list(range(qsl[-1]))  # each row exactly once
+        assert schedule.vector_rows == [0, 38, 55, 56]  # one-token queries only
+        lens = np.diff(qsl)
+        assert len(schedule.tiles) == sum(-(-n // height) for n in lens if n > 1)
+
+
+def test_tile_heights_are_the_kernels():
+    assert tile_rows(mx.cpu, 3) == 16  # kCpuQueryTile
+    # Apple GPUs: 64 (row, head) pairs per threadgroup; the Metal launch sizes its grid for
+    # every sequence's tiles with the same height (tests/test_metal_kernels.py runs it).
+    assert [tile_rows(mx.gpu, g) for g in (1, 3, 4, 5, 8)] == [64, 21, 16, 12, 8]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page_size,head_dim,n_heads,n_kv_heads", GEOMETRIES[::2])
+@pytest.mark.parametrize("height", [1, 5, 16])
+def test_tiled_reference_walk_matches_dense_attention(dtype_name, page_size, head_dim, n_heads,
+                                                      n_kv_heads, height):
+    seqs = [(prefix + L, L) for L in (1, 2, 7, 40) for prefix in prefixes(page_size)]
+    case = build_case(seqs, page_size=page_size, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      head_dim=head_dim, dtype=DTYPES[dtype_name], seed=height)
+    got = run_op(case, lambda *a: paged_flash_reference(*a, tile_rows=height))
+    assert_close(got, dense_oracle(case), dtype_name, case, "tiled reference vs dense oracle")
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_kernel_tiles_match_the_tiled_reference_walk(dtype_name):
+    """The C++ tiles against the MLX-op tiles of the same height: equal within one ulp."""
+    seqs = [(prefix + L, L) for L in (2, 7, 64, 200) for prefix in prefixes(16)]
+    case = build_case(seqs, page_size=16, n_heads=8, n_kv_heads=2, head_dim=64,
+                      dtype=DTYPES[dtype_name], seed=3)
+    got = bits(run_op(case))
+    height = tile_rows(mx.cpu, 4)
+    want = bits(run_op(case, lambda *a: paged_flash_reference(*a, tile_rows=height)))
+    ulp = {"float32": 2e-5, "float16": 2**-10, "bfloat16": 2**-7}[dtype_name]
+    assert (np.abs(got - want) <= 2e-5 + ulp * np.abs(want)).all()
+
+
 @pytest.fixture
 def on_cpu():
     """Bit-identity across schedules is a property of the CPU kernels (both schedules fold
@@ -244,6 +245,16 @@ def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, on_cpu):
         alone = run_rows(case, b, 0, L)
         assert np.array_equal(bits(alone), bits(got[qsl[b] : qsl[b + 1]])), (
             f"sequence {b} (query {L}) differs alone and in the mixed batch")
+
+
+def test_tiles_of_one_row_give_the_same_bits_as_tiles(on_cpu):
+    """Day 4's kernel (the vector schedule for every row) and Day 5's (tiles for multi-token
+    queries) fold each row's pages through one routine: tiling changes the memory traffic,
+    not one bit of the result."""
+    seqs = [(1, 1), (40, 7), (17, 1), (200, 200), (80, 64), (53, 37)]
+    case = build_case(seqs, page_size=16, n_heads=8, n_kv_heads=2, head_dim=64,
+                      dtype=mx.float32, seed=12)
+    assert np.array_equal(bits(run_op(case, paged_attention)), bits(run_op(case)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,22 +291,6 @@ def test_a_row_has_the_same_bits_in_any_schedule(dtype_name, prefix, on_cpu):
 # The engine: default configuration (paged, kernel, chunked prefill, prefix caching).
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-class RecordingModel:
-    """Wraps the model to keep the logits of every forward the engine runs."""
-
-    def __init__(self, model):
-        self.model, self.config, self.dtype, self.logits = model, model.config, model.dtype, []
-
-    def __call__(self, tokens, positions, cache, logit_rows=None):
-        out = self.model(tokens, positions, cache, logit_rows)
-        self.logits.append(out)
-        return out
-
-
 def dense_logits(model, tokens: list[int], rows: list[int]) -> mx.array:
     """One-shot forward over a fresh dense cache; logits at ``rows`` only."""
     n = len(tokens)
@@ -305,30 +300,16 @@ def dense_logits(model, tokens: list[int], rows: list[int]) -> mx.array:
     return out
 
 
-@pytest.fixture
-def query_lengths(monkeypatch):
-    """Records the query lengths of every paged attention call the engine makes (lengths
-    only: holding the pools would turn the in-place writes into copies)."""
-    calls = []
-    op = day4.paged_attention
-
-    def recording(q, k_pages, v_pages, block_table, context_lens, query_start_loc, *a, **kw):
-        calls.append(np.diff(np.array(query_start_loc)).tolist())
-        return op(q, k_pages, v_pages, block_table, context_lens, query_start_loc, *a, **kw)
-
-    monkeypatch.setattr(day4, "paged_attention", recording)
-    return calls
-
-
 @pytest.mark.parametrize("chunk,page_size", [(5, 16), (16, 16), (37, 8)])
 def test_chunked_prefill_through_the_flash_schedule_equals_one_shot_dense(
-        tiny_model, smollm_tokenizer, query_lengths, chunk, page_size):
+        tiny_model, smollm_tokenizer, chunk, page_size):
     rng = random.Random(chunk)
     for length in (chunk + 1, 3 * chunk + 2, 100):
         prompt = [rng.randrange(100, 40000) for _ in range(length)]
         recorder = RecordingModel(tiny_model)
         engine = LLMEngine(recorder, smollm_tokenizer, max_num_seqs=1, num_pages=64,
                            page_size=page_size, max_num_batched_tokens=chunk)
+        checked = engine.attention = CheckedAttention(engine.attention)
         out = engine.generate({"prompt_token_ids": prompt}, greedy(4), use_tqdm=False)
         generated = out[0].outputs[0].token_ids
         prefill_steps = -(-length // chunk)
@@ -341,20 +322,20 @@ def test_chunked_prefill_through_the_flash_schedule_equals_one_shot_dense(
         diff = mx.abs(got - want).max().item()
         assert diff <= 1e-4, f"prompt {length}, chunks of {chunk}: max |logit diff| {diff:.3g}"
         assert generated == mx.argmax(want, axis=-1).tolist()
-    assert any(max(lens) > 1 for lens in query_lengths), "no multi-token query reached the op"
+        assert any(max(lens) > 1 for lens in checked.query_lengths), "no multi-token query"
 
 
-def test_long_prompt_prefills_in_chunks_and_matches_dense(tiny_model, smollm_tokenizer,
-                                                          query_lengths):
+def test_long_prompt_prefills_in_chunks_and_matches_dense(tiny_model, smollm_tokenizer):
     length, chunk = 3000, 700  # chunk boundaries at 700, 1400, ... are mid-page
     prompt = [random.Random(3).randrange(100, 40000) for _ in range(length)]
     recorder = RecordingModel(tiny_model)
     engine = LLMEngine(recorder, smollm_tokenizer, max_num_seqs=1, max_num_batched_tokens=chunk)
+    checked = engine.attention = CheckedAttention(engine.attention)
     out = engine.generate({"prompt_token_ids": prompt}, greedy(2), use_tqdm=False)
     generated = out[0].outputs[0].token_ids
     assert len(generated) == 2
-    assert query_lengths[: math.ceil(length / chunk) * 2] == [
-        [min(chunk, length - s)] for s in range(0, length, chunk) for _ in range(2)]  # 2 layers
+    assert checked.query_lengths[: math.ceil(length / chunk)] == [
+        [min(chunk, length - s)] for s in range(0, length, chunk)]
     got = mx.concatenate([recorder.logits[-2], recorder.logits[-1]])
     want = dense_logits(tiny_model, prompt + generated[:1], [length - 1, length])
     diff = mx.abs(got - want).max().item()
@@ -374,27 +355,26 @@ def mixed_workload(seed: int = 0):
     return prompts, params
 
 
-def tokens_of(engine, prompts, params):
-    return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-
-
 # Small pool (preemption), small budget (chunks), page size 8: every Day 2-5 path at once.
 FINAL = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=8, num_pages=24)
 
 
-def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, query_lengths):
+@pytest.mark.parametrize("attention", ["flash", "flash_reference"])
+def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, attention):
     prompts, params = mixed_workload()
     dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="dense",
                       enable_chunked_prefill=False, max_num_batched_tokens=1024)
     expected = tokens_of(dense, prompts, params)
-    engine = LLMEngine(tiny_model, smollm_tokenizer, **FINAL)
-    assert (engine.config.kv_cache, engine.config.attention) == ("paged", "kernel")
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **FINAL, attention=attention)
+    if attention == "flash":  # the defaults are the final engine
+        assert LLMEngine(tiny_model, smollm_tokenizer, num_pages=8).config.attention == "flash"
+    checked = engine.attention = CheckedAttention(engine.attention)
     assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
     got = tokens_of(engine, prompts, params)
     stats = engine.stats()
     assert stats["num_preemptions"] > 0, "the workload did not preempt; shrink num_pages"
     assert stats["prefix_cache_hit_tokens"] > 0, "no prefix-cache hit"
-    assert any(1 in lens and max(lens) > 1 for lens in query_lengths), "no mixed step"
+    assert any(1 in lens and max(lens) > 1 for lens in checked.query_lengths), "no mixed step"
     assert got == expected
     assert stats["num_free_pages"] == FINAL["num_pages"]
     engine.kv.blocks.check_invariants()
@@ -403,23 +383,22 @@ def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, que
 def test_kernel_path_never_materializes_dense_kv(tiny_model, smollm_tokenizer, monkeypatch):
     def forbid(owner, name):
         def forbidden(*args, **kwargs):
-            raise AssertionError(f"dense K/V: {name} called")
+            raise AssertionError(f"dense K/V: {owner.__name__}.{name} called")
 
         monkeypatch.setattr(owner, name, forbidden)
 
     prompts, params = mixed_workload(seed=1)
-    forbid(day3.PagePool, "gather")
-    forbid(day3, "causal_attention")  # the name day3's gather path calls
-    forbid(kv_cache, "causal_attention")  # the name DenseKVCache calls
-    forbid(day4, "paged_attention_reference")
-    # The patches bite: each older path now fails at the function it would call.
-    for options, fired in (({"attention": "gather"}, "gather"),
-                           ({"attention": "reference"}, "paged_attention_reference"),
-                           ({"kv_cache": "dense"}, "causal_attention")):
-        older = LLMEngine(tiny_model, smollm_tokenizer, num_pages=64, **options)
-        with pytest.raises(AssertionError, match=f"dense K/V: {fired} called"):
+    forbid(PagePool, "gather")  # Day 3 gathers pages into dense K/V
+    forbid(PagePool, "write")  # the MLX-op walks write with MLX indexing
+    forbid(DenseKVCache, "attend_at")  # Days 1-2 keep dense K/V per request
+    # The patches bite: each older path now fails at the method it would call.
+    for options, fired in (({"attention": "gather"}, "PagePool"),
+                           ({"attention": "reference"}, "PagePool.write"),
+                           ({"kv_cache": "dense"}, "DenseKVCache.attend_at")):
+        older = LLMEngine(tiny_model, smollm_tokenizer, **options,
+                          **({"num_pages": 64} if "kv_cache" not in options else {}))
+        with pytest.raises(AssertionError, match=f"dense K/V: {fired}"):
             older.generate(prompts[:1], params[:1], use_tqdm=False)
-    forbid(day3.PagePool, "write")  # the kernel path writes with the extension too
     engine = LLMEngine(tiny_model, smollm_tokenizer, **FINAL)
     copies = extension().pool_copies()
     outs = engine.generate(prompts, params, use_tqdm=False)
@@ -431,4 +410,3 @@ def test_kernel_path_never_materializes_dense_kv(tiny_model, smollm_tokenizer, m
     assert copies == 0, (
         f"paged_kv_write copied a whole pool {copies} times in {engine.stats()['num_steps']} "
         "steps: writes cost O(pool), not O(new tokens)")
-

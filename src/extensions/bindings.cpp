@@ -6,6 +6,8 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "cpu_attention.h"
+#include "metal/paged_attention_geometry.h"
 #include "metal_launch.h"
 #include "ops.h"
 #include "worker_pool.h"
@@ -85,5 +87,8 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
       "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true, "stream"_a = nb::none(),
       "The Metal launch (arguments of mx.fast.metal_kernel and of its kernel call) that a GPU "
       "stream would run, computed on any device.");
+  m.attr("cpu_query_tile") = tiny_llm::kCpuQueryTile;
+  m.def("metal_tile_rows", &paged_geometry::tile_rows, "group"_a,
+        "Query rows per tile of the Metal tiled schedule for a GQA group of `group` heads.");
   m.attr("module_name") = TINY_LLM_STRINGIFY(TINY_LLM_EXT_NAME);
 }

@@ -1,100 +1,103 @@
 """Day 1: continuous batching — requests join and leave at every step.
 
-The scheduler owns two queues. ``waiting`` holds requests that have no K/V storage yet
-(new ones, and preempted ones at the front); ``running`` holds requests that do, in
-admission order. Every step it:
+The scheduler owns two queues. ``waiting`` holds requests that have no K/V storage yet;
+``running`` holds requests that do, in admission order, at most ``max_num_seqs`` of them
+(the *slots*). Every step it:
 
-1. gives each running request its next tokens (decode tokens before prefill chunks, by
-   Day 2's ``TokenBudget``), making room in the KV store for them — if the store is full,
-   the newest running request is preempted (Day 3);
-2. admits waiting requests while a slot, budget and KV room are free. The ``continuous``
-   policy admits at every step; the ``static`` baseline admits only when the previous
-   batch has completely finished, so one long request holds every slot hostage.
+1. gives each running request its next token, within the step's token budget and if its
+   KV storage has room;
+2. admits waiting requests, each with its whole prompt, while a slot and the budget
+   allow. The ``continuous`` policy admits at every step; the ``static`` baseline admits
+   only when the previous batch has completely finished, so one long request holds every
+   slot hostage (head-of-line blocking).
 
-After the forward, ``finish_step`` advances each request's ``num_computed_tokens``; the
-engine samples, and ``retire`` frees a finished request's slot at once for the next step.
+After the forward, ``finish_step`` records the computed tokens, the engine samples, and
+``retire`` frees a finished request's slot at once for the next step.
 
-The scheduler never touches the model: ``ContinuousBatchingScheduler`` drives this same
-class with simulated requests, which is how the chapter's arithmetic
-(``static_batching_steps``, ``continuous_batching_steps``) is computed.
+The scheduler never touches the model. ``BatchingSimulator`` drives it with simulated
+requests: that is how the chapter's arithmetic (``static_batching_steps``,
+``continuous_batching_steps``) is checked against the scheduler itself. Later days
+extend it through its hooks: Day 2 the budget and the order of work, Day 3 admission
+with cached prefixes, room-making by preemption, and page bookkeeping after a step.
+
+Day 1's KV storage is ``DenseSlots``: one growing dense cache per slot, reused by the next
+request. ``DenseAttention`` splits the step's flat batch into its sequences and attends
+each over its own cache.
 
 Invariants: ``len(running) <= max_num_seqs``; a request is in exactly one queue or
-finished; the tokens scheduled in a step never exceed ``max_num_batched_tokens``.
+finished; the tokens scheduled in a step never exceed ``max_num_batched_tokens``; only the
+scheduler changes a request's ``num_computed_tokens``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
-from tiny_llm.day2_chunked_prefill import TokenBudget
+from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.request import RequestStatus
+from tiny_llm.step import AttentionGeometry, ScheduledChunk, StepBatch
+
+import mlx.core as mx
 
 POLICIES = ("continuous", "static")
 
 
 class KVSpace(Protocol):
-    """Where a request's K/V lives; the scheduler asks it for room before scheduling."""
+    """Where requests' K/V lives, as the scheduler and the engine see it."""
 
-    def begin(self, request) -> None:
-        """A waiting request is considered for admission (Day 3: reuse cached prefix pages
-        by advancing ``num_computed_tokens``)."""
+    def allocate(self, request: Any, num_tokens: int) -> bool:
+        """Room for the first ``num_tokens`` tokens of ``request``; False if there is none.
+        Asking again for the same or fewer tokens changes nothing."""
         ...
 
-    def allocate(self, request, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``request``; False if full."""
-        ...
+    def free(self, request: Any) -> None: ...
 
-    def free(self, request) -> None: ...
-
-    def commit(self, request) -> None:
-        """The step computed more of ``request``'s K/V (Day 3: cache the full pages)."""
+    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        """What attention needs to find the step's sequences in this storage."""
         ...
 
 
-class UnboundedKV:
-    """No KV limit beyond the slot count (the dense per-request caches of Days 1-2)."""
+# ANCHOR: step_budget
+class StepBudget:
+    """The tokens one step may still schedule. Day 1 prefills a prompt whole or not at all."""
 
-    def begin(self, request) -> None:
-        pass
+    def __init__(self, max_num_batched_tokens: int):
+        self.left = max_num_batched_tokens
 
-    def allocate(self, request, num_new_tokens: int) -> bool:
+    def take_decode(self) -> bool:
+        if self.left == 0:
+            return False
+        self.left -= 1
         return True
 
-    def free(self, request) -> None:
-        pass
+    def take_prefill(self, needed: int) -> int:
+        """Tokens granted to a request that needs ``needed`` more (0: none this step)."""
+        if needed > self.left:
+            return 0
+        self.left -= needed
+        return needed
 
-    def commit(self, request) -> None:
-        pass
-
-
-@dataclass
-class ScheduledChunk:
-    request: object
-    num_tokens: int
+    def give_back(self, tokens: int) -> None:
+        """Return tokens that were granted but not scheduled (no KV room, preemption)."""
+        self.left += tokens
+# ANCHOR_END: step_budget
 
 
 # ANCHOR: scheduler
 class Scheduler:
-    def __init__(
-        self,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        policy: str = "continuous",
-        chunked_prefill: bool = True,
-        kv: KVSpace | None = None,
-    ):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "continuous", kv: KVSpace | None = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
-        self.chunked_prefill = chunked_prefill
-        self.kv = kv or UnboundedKV()
+        self.kv = kv if kv is not None else UnboundedKV()
         self.waiting: deque = deque()
         self.running: list = []
-        self.num_preemptions = 0
 
     def add(self, request) -> None:
         request.status = RequestStatus.WAITING
@@ -104,70 +107,40 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = TokenBudget(self.max_num_batched_tokens, self.chunked_prefill)
-        may_admit = self.policy == "continuous" or not self.running
+        """This step's work: a chunk per request that computes tokens, running ones first."""
+        budget = self.new_budget()
         plan: dict = {}  # request -> tokens this step, in scheduling order
-        preemptions_before = self.num_preemptions
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for req in decodes + prefills:
-            if req not in self.running:  # preempted while making room for an older one
+        for req in self.running_order():
+            if req not in self.running:  # preempted (Day 3) to make room for an older one
                 continue
-            if req.num_uncomputed_tokens == 1:
-                n = 1 if budget.take_decode() else 0
-            else:
-                n = budget.take_prefill(req.num_uncomputed_tokens)
+            needed = req.num_uncomputed_tokens
+            n = (1 if budget.take_decode() else 0) if needed == 1 else budget.take_prefill(needed)
             if n == 0:
                 continue
-            if self._make_room(req, n, plan, budget):
+            if self.make_room(req, req.num_computed_tokens + n, plan, budget):
                 plan[req] = n
             else:
                 budget.give_back(n)
-        if may_admit and self.num_preemptions == preemptions_before:
-            self._admit(plan, budget)
-        return [ScheduledChunk(r, n) for r, n in plan.items()]
+        if self.may_admit():
+            self.admit(plan, budget)
+        return [ScheduledChunk(r, r.num_computed_tokens, r.num_computed_tokens + n)
+                for r, n in plan.items()]
 
-    def _admit(self, plan: dict, budget: TokenBudget) -> None:
+    def admit(self, plan: dict, budget: StepBudget) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and budget.left:
             req = self.waiting[0]
-            self.kv.begin(req)
-            n = budget.take_prefill(req.num_uncomputed_tokens)
-            if n == 0 or not self.kv.allocate(req, n):
-                budget.give_back(n)
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                return
+            n = self.try_admit(req, budget)
+            if n == 0:
+                return  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan[req] = n
 
-    def _make_room(self, req, n: int, plan: dict, budget: TokenBudget) -> bool:
-        """Allocate KV room for ``req``, preempting the newest running requests if needed.
-        Returns False when ``req`` itself had to be preempted."""
-        while not self.kv.allocate(req, n):
-            victim = self.running[-1]
-            self.preempt(victim)
-            if victim in plan:
-                budget.give_back(plan.pop(victim))
-            if victim is req:
-                return False
-        return True
-
-    def preempt(self, req) -> None:
-        """Recompute preemption: drop the K/V, requeue at the front, redo the work later."""
-        self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-
     def finish_step(self, chunks: list[ScheduledChunk]) -> None:
+        """The step's forward succeeded: its chunks' K/V is stored."""
         for chunk in chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            self.kv.commit(chunk.request)
+            chunk.request.num_computed_tokens = chunk.end
 
     def retire(self, req) -> None:
         """Remove a finished (or aborted) request and free its slot and K/V at once."""
@@ -179,25 +152,129 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 # ANCHOR_END: scheduler
 
+    # Hooks that later days override.
+
+    def new_budget(self) -> StepBudget:
+        return StepBudget(self.max_num_batched_tokens)
+
+    def running_order(self) -> list:
+        """The order in which running requests get tokens (Day 2: decodes first)."""
+        return list(self.running)
+
+    def may_admit(self) -> bool:
+        return self.policy == "continuous" or not self.running
+
+    def try_admit(self, req, budget: StepBudget) -> int:
+        """Tokens of its prompt that ``req`` computes if admitted now; 0 leaves it waiting."""
+        n = budget.take_prefill(req.num_uncomputed_tokens)
+        if n and self.kv.allocate(req, req.num_computed_tokens + n):
+            return n
+        budget.give_back(n)
+        return 0
+
+    def make_room(self, req, num_tokens: int, plan: dict, budget: StepBudget) -> bool:
+        """KV room for the first ``num_tokens`` tokens of running ``req`` (Day 3: preempt)."""
+        return self.kv.allocate(req, num_tokens)
+
+
+class UnboundedKV:
+    """No KV limit beyond the slot count, and nothing to lay out (the simulator's storage)."""
+
+    capacity_tokens: int | None = None  # no pool: any request fits
+
+    def allocate(self, request, num_tokens: int) -> bool:
+        return True
+
+    def free(self, request) -> None:
+        pass
+
+    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        return {}
+
+
+# ANCHOR: dense_slots
+class DenseSlots(UnboundedKV):
+    """Day 1's KV storage: ``num_slots`` dense caches, one per running request, each reused
+    by the next request that takes its slot. No page limit: a slot grows as needed."""
+
+    def __init__(self, num_slots: int, num_layers: int):
+        self.caches = [DenseKVCache(num_layers) for _ in range(num_slots)]
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.slot_of: dict[Any, int] = {}
+
+    def allocate(self, request, num_tokens: int) -> bool:
+        if request not in self.slot_of:
+            self.slot_of[request] = self.free_slots.pop()
+        return True
+
+    def free(self, request) -> None:
+        slot = self.slot_of.pop(request, None)
+        if slot is not None:
+            self.caches[slot].reset()
+            self.free_slots.append(slot)
+
+    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        return {"caches": [self.caches[self.slot_of[c.request]] for c in chunks]}
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches)
+
+    def stats(self) -> dict[str, int]:
+        return {}
+# ANCHOR_END: dense_slots
+
+
+# ANCHOR: dense_attention
+class DenseAttention:
+    """Attention over each sequence's own dense cache: rows ``query_start_loc[b] ..
+    query_start_loc[b + 1] - 1`` of the step are sequence b's new tokens, at positions
+    ``chunk.start ..`` of its cache."""
+
+    name: ClassVar[str] = "dense"
+    storage: ClassVar[str] = "dense"
+
+    def __init__(self, kv: DenseSlots):
+        self.kv = kv
+        self.step: StepBatch | None = None
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        pass  # plain MLX ops serve any geometry
+
+    def begin_step(self, step: StepBatch) -> None:
+        self.step = step
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        step = self.step
+        qsl, outs = step.query_start_loc, []
+        for b, (chunk, cache) in enumerate(zip(step.chunks, step.kv["caches"], strict=True)):
+            lo, hi = qsl[b], qsl[b + 1]
+            outs.append(cache.attend_at(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale, chunk.start))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def state(self) -> list[mx.array]:
+        return [a for c in self.kv.caches for a in c.keys + c.values if a is not None]
+# ANCHOR_END: dense_attention
+
 
 # ANCHOR: simulator
 class SimRequest:
     """A request for the model-free simulator: a prompt length and a planned output length."""
 
-    def __init__(
-        self, request_id: int, prompt_len: int, output_len: int, prompt_token_ids=None
-    ):
+    def __init__(self, request_id: int, prompt_len: int, output_len: int,
+                 prompt_token_ids: list[int] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids or [request_id] * prompt_len)
         self.output_token_ids: list[int] = []
-        self.num_prompt_tokens = prompt_len
         self.output_len = output_len
-        self.num_tokens = prompt_len
         self.num_computed_tokens = 0
-        self.num_generated = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_step: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -215,29 +292,22 @@ class StepReport:
     num_running: int
 
 
-class ContinuousBatchingScheduler:
-    """The engine's scheduler driven by fake tokens: each request that completes its
-    scheduled work in a step "generates" one token and stops after ``output_len``."""
+class BatchingSimulator:
+    """The engine's scheduler driven by fake tokens: a request whose chunk reaches the end
+    of its tokens "generates" one, and stops after ``output_len``."""
 
-    def __init__(
-        self,
-        max_batch: int,
-        block_manager=None,
-        max_num_batched_tokens: int = 1 << 30,
-        policy: str = "continuous",
-    ):
-        kv = None
-        if block_manager is not None:
-            from tiny_llm.day3_paged_kv import BlockSpace
-
-            kv = BlockSpace(block_manager)
-        self.scheduler = Scheduler(max_batch, max_num_batched_tokens, policy, kv=kv)
+    def __init__(self, max_batch: int, max_num_batched_tokens: int = 1 << 30,
+                 policy: str = "continuous"):
+        self.scheduler = self.make_scheduler(max_batch, max_num_batched_tokens, policy)
         self.requests: list[SimRequest] = []
         self.num_steps = 0
 
-    def add_request(
-        self, prompt_len: int, output_len: int, prompt_token_ids: list[int] | None = None
-    ) -> SimRequest:
+    def make_scheduler(self, max_batch: int, max_num_batched_tokens: int,
+                       policy: str) -> Scheduler:
+        return Scheduler(max_batch, max_num_batched_tokens, policy)
+
+    def add_request(self, prompt_len: int, output_len: int,
+                    prompt_token_ids: list[int] | None = None) -> SimRequest:
         req = SimRequest(len(self.requests), prompt_len, output_len, prompt_token_ids)
         self.requests.append(req)
         self.scheduler.add(req)
@@ -245,26 +315,22 @@ class ContinuousBatchingScheduler:
 
     def step(self) -> StepReport:
         chunks = self.scheduler.schedule()
+        if not chunks and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler made no progress with requests waiting")
         self.scheduler.finish_step(chunks)
         self.num_steps += 1
         finished = []
         for chunk in chunks:
             req = chunk.request
-            if req.num_uncomputed_tokens:
+            if chunk.end < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
-            req.num_generated += 1
-            req.num_tokens += 1
             req.output_token_ids.append(-1 - req.request_id)  # a fake token per request
-            if req.num_generated == req.output_len:
+            if len(req.output_token_ids) == req.output_len:
                 self.scheduler.retire(req)
                 req.finish_step = self.num_steps
                 finished.append(req.request_id)
-        return StepReport(
-            self.num_steps,
-            [(c.request.request_id, c.num_tokens) for c in chunks],
-            finished,
-            len(self.scheduler.running),
-        )
+        return StepReport(self.num_steps, [(c.request.request_id, c.num_tokens) for c in chunks],
+                          finished, len(self.scheduler.running))
 
     def run(self) -> list[StepReport]:
         reports = []
@@ -280,20 +346,31 @@ class BatchingStats:
     wasted_slot_steps: int  # slot-steps in which a slot held no request that was generating
 
 
-# ANCHOR: arithmetic
 def simulate_batching(output_lens: list[int], max_batch: int, policy: str) -> BatchingStats:
-    """All requests arrive at step 0 with one-token prompts; count steps and idle slots."""
-    sim = ContinuousBatchingScheduler(max_batch, policy=policy)
+    """The scheduler itself on requests with one-token prompts, all arriving at step 0."""
+    sim = BatchingSimulator(max_batch, policy=policy)
     for n in output_lens:
         sim.add_request(prompt_len=1, output_len=n)
     steps = len(sim.run())
     return BatchingStats(steps, steps * max_batch - sum(output_lens))
 
 
+# ANCHOR: arithmetic
 def static_batching_steps(output_lens: list[int], max_batch: int) -> BatchingStats:
-    return simulate_batching(output_lens, max_batch, "static")
+    """Steps to serve requests that generate ``output_lens`` tokens (one per step, all
+    arriving at once) in static batches of ``max_batch``: a batch takes as long as its
+    longest request, and the next batch starts only when it is done."""
+    steps = sum(max(output_lens[i : i + max_batch]) for i in range(0, len(output_lens), max_batch))
+    return BatchingStats(steps, steps * max_batch - sum(output_lens))
 
 
 def continuous_batching_steps(output_lens: list[int], max_batch: int) -> BatchingStats:
-    return simulate_batching(output_lens, max_batch, "continuous")
+    """The same with continuous batching: a slot takes the next request in line as soon as
+    its request finishes. Each slot is a queue; the last one to empty ends the run."""
+    slots_free_at = [0] * min(max_batch, len(output_lens))  # step at which each slot frees
+    for n in output_lens:
+        start = heapq.heappop(slots_free_at)
+        heapq.heappush(slots_free_at, start + n)
+    steps = max(slots_free_at, default=0)
+    return BatchingStats(steps, steps * max_batch - sum(output_lens))
 # ANCHOR_END: arithmetic

@@ -18,9 +18,13 @@ pool arrays indexed by the same page ids).
   (LRU). A new request reuses every cached full page of its prompt, except that the last
   prompt token is always recomputed: its logits are needed.
 
-``BlockSpace`` plugs the manager into Day 1's scheduler, and ``PagedKVSpace`` adds the
-page pool itself. On Day 3 attention still *gathers* each sequence's K/V from its pages
-into a dense array (``PagedBatchKV``): the correctness checkpoint that Day 4 removes.
+``BlockSpace`` is the scheduler's view of the manager (room for requests, by page), and
+``PagedScheduler`` extends Day 2's scheduler with what pages make possible and necessary:
+admission reuses cached prefix pages, and when the pool is full the newest running
+request is *preempted* (its pages freed, its K/V recomputed later) instead of failing.
+``PagedKVSpace`` adds the page pool and lays out a step's block tables and slot mapping.
+On Day 3 attention still *gathers* each sequence's K/V from its pages into a dense array
+(``GatherAttention``): the correctness checkpoint that Day 4 removes.
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from tiny_llm.day1_batching import BatchingSimulator, Scheduler
+from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.kv_cache import causal_attention
+from tiny_llm.request import RequestStatus
+from tiny_llm.step import AttentionGeometry, ScheduledChunk, StepBatch
 
 import mlx.core as mx
+import numpy as np
 
 log = logging.getLogger("tiny_llm")
 
@@ -230,33 +241,39 @@ class BlockManager:
 class BlockSpace:
     """The scheduler's view of a ``BlockManager``: room for requests, by page.
 
-    ``begin`` turns prefix-cache hits into computed tokens before the scheduler sizes a
-    new request's first chunk; ``commit`` registers the pages a step filled.
+    It answers questions and keeps page bookkeeping; it never changes a request's state
+    (the scheduler does). ``match_prefix`` attaches a waiting request's cached prefix
+    pages and says how many tokens they hold; ``commit`` registers pages a step filled.
     """
 
     def __init__(self, block_manager: BlockManager):
         self.blocks = block_manager
         # Per request: pages registered so far and the hash chain's last digest.
         self.cached_pages: dict[object, tuple[int, bytes | None]] = {}
-        self._new_hits: dict[object, int] = {}  # hits found by begin(), counted on success
+        self._new_hits: dict[object, int] = {}  # hits of match_prefix, counted on success
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
-    def begin(self, request) -> None:
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def match_prefix(self, request) -> int:
+        """Attach the cached pages holding a prefix of ``request``'s tokens; return how
+        many tokens they hold (their K/V needs no computing)."""
         tokens = request.token_ids_between(0, request.num_tokens)
         hits = self.blocks.match_prefix(tokens)
         self.blocks.attach_prefix(request, hits)
-        request.num_computed_tokens = len(hits) * self.blocks.block_size
         chain = self.blocks.blocks[hits[-1]].hash if hits else None
         self.cached_pages[request] = (len(hits), chain)
-        self._new_hits[request] = request.num_computed_tokens
+        self._new_hits[request] = len(hits) * self.blocks.block_size
+        return self._new_hits[request]
 
-    def allocate(self, request, num_new_tokens: int) -> bool:
-        needed = request.num_computed_tokens + num_new_tokens
+    def allocate(self, request, num_tokens: int) -> bool:
         if request not in self.blocks.tables:
-            ok = self.blocks.allocate(request, needed) is not None
+            ok = self.blocks.allocate(request, num_tokens) is not None
         else:
-            extra = needed - self.blocks.lengths[request]
+            extra = num_tokens - self.blocks.lengths[request]
             ok = extra <= 0 or self.blocks.grow(request, extra) is not None
         if ok and request in self._new_hits:
             self.prefix_cache_query_tokens += request.num_tokens
@@ -268,9 +285,10 @@ class BlockSpace:
         self.cached_pages.pop(request, None)
         self._new_hits.pop(request, None)
 
-    def commit(self, request) -> None:
+    def commit(self, request, num_computed: int) -> None:
+        """``request``'s first ``num_computed`` tokens are in the pool: cache its full pages."""
         done, parent = self.cached_pages.get(request, (0, None))
-        full = request.num_computed_tokens // self.blocks.block_size
+        full = num_computed // self.blocks.block_size
         if not self.blocks.enable_prefix_caching or full <= done:
             return
         tokens = request.token_ids_between(0, full * self.blocks.block_size)
@@ -278,7 +296,79 @@ class BlockSpace:
 
     def table(self, request) -> list[int]:
         return self.blocks.tables[request]
+
+    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        return {}
 # ANCHOR_END: block_space
+
+
+# ANCHOR: paged_scheduler
+class PagedScheduler(ChunkedPrefillScheduler):
+    """Day 2's scheduler over pages: prefix hits at admission, preemption when full."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_preemptions = 0
+        self._preemptions_before_step = 0
+
+    def schedule(self) -> list[ScheduledChunk]:
+        self._preemptions_before_step = self.num_preemptions
+        return super().schedule()
+
+    def may_admit(self) -> bool:
+        # A step that had to preempt is short of pages: admitting now would only thrash.
+        return super().may_admit() and self.num_preemptions == self._preemptions_before_step
+
+    def try_admit(self, req, budget) -> int:
+        req.num_computed_tokens = self.kv.match_prefix(req)  # cached pages need no compute
+        n = super().try_admit(req, budget)
+        if n == 0:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        return n
+
+    def make_room(self, req, num_tokens: int, plan: dict, budget) -> bool:
+        """Allocate ``req``'s pages, preempting the newest running requests while the pool
+        is full. Returns False when ``req`` itself had to go."""
+        while not self.kv.allocate(req, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim in plan:
+                budget.give_back(plan.pop(victim))
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req) -> None:
+        """Recompute preemption: drop the K/V, requeue at the front, redo the work later."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish_step(self, chunks: list[ScheduledChunk]) -> None:
+        super().finish_step(chunks)
+        for chunk in chunks:
+            self.kv.commit(chunk.request, chunk.end)
+# ANCHOR_END: paged_scheduler
+
+
+class ContinuousBatchingScheduler(BatchingSimulator):
+    """The scheduler over a ``BlockManager``, driven by simulated requests (model-free):
+    ``ContinuousBatchingScheduler(max_batch, block_manager).step()``."""
+
+    def __init__(self, max_batch: int, block_manager: BlockManager,
+                 max_num_batched_tokens: int = 1 << 30, policy: str = "continuous"):
+        self.block_manager = block_manager
+        super().__init__(max_batch, max_num_batched_tokens, policy)
+
+    def make_scheduler(self, max_batch: int, max_num_batched_tokens: int,
+                       policy: str) -> Scheduler:
+        return PagedScheduler(max_batch, max_num_batched_tokens, policy,
+                              kv=BlockSpace(self.block_manager))
 
 
 # ANCHOR: page_pool
@@ -318,63 +408,32 @@ def slots_for(table: Sequence[int], start: int, end: int, page_size: int) -> lis
 # ANCHOR_END: slot_mapping
 
 
-# ANCHOR: paged_batch
-class PagedBatchKV:
-    """One step over paged K/V: write the new rows at ``slot_mapping``, then (Day 3) gather
-    each sequence's rows back into a dense array for ``causal_attention``."""
-
-    def __init__(self, pool: PagePool, slot_mapping: list[int], query_start_loc: list[int],
-                 context_slots: list[list[int]]):
-        self.pool = pool
-        self.slot_mapping = mx.array(slot_mapping, dtype=mx.int32)
-        self.query_start_loc = query_start_loc
-        self.context_slots = [mx.array(s, dtype=mx.int32) for s in context_slots]
-
-    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        self.pool.write(layer, self.slot_mapping, k, v)
-        outs = []
-        for b, slots in enumerate(self.context_slots):
-            lo, hi = self.query_start_loc[b], self.query_start_loc[b + 1]
-            keys, values = self.pool.gather(layer, slots)
-            outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo)))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
-
-    def state(self) -> list[mx.array]:
-        return self.pool.k + self.pool.v
-# ANCHOR_END: paged_batch
-
-
 # ANCHOR: paged_space
 class PagedKVSpace(BlockSpace):
-    """Paged KV for the engine: the block manager, the page pool, and step batches."""
+    """Paged KV for the engine: the block manager, the page pool, and each step's layout:
+    the block tables of the step's sequences (``-1`` past their pages) and the pool slot of
+    every new token."""
 
     def __init__(self, config, num_pages: int, page_size: int, enable_prefix_caching: bool,
-                 dtype: mx.Dtype, attention: str = "gather"):
+                 dtype: mx.Dtype):
         super().__init__(BlockManager(num_pages, page_size, enable_prefix_caching))
         self.page_size = page_size
-        self.attention = attention
         self.pool = PagePool(config.num_hidden_layers, num_pages, page_size,
                              config.num_key_value_heads, config.head_dim, dtype)
 
-    def batch(self, chunks, query_start_loc: list[int]):
-        """The step's attention over the pages: Day 3 gathers, Day 4 walks the tables."""
+    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+        ps = self.page_size
+        tables = [self.table(c.request)[: blocks_needed(c.end, ps)] for c in chunks]
+        block_table = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
         slot_mapping: list[int] = []
-        tables, context_lens = [], []
-        for chunk in chunks:
-            req = chunk.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
-            table = self.table(req)[: blocks_needed(end, self.page_size)]
-            slot_mapping += slots_for(table, start, end, self.page_size)
-            tables.append(table)
-            context_lens.append(end)
-        if self.attention == "gather":
-            context_slots = [slots_for(t, 0, n, self.page_size)
-                             for t, n in zip(tables, context_lens, strict=True)]
-            return PagedBatchKV(self.pool, slot_mapping, query_start_loc, context_slots)
-        from tiny_llm.day4_paged_attention import DirectPagedBatchKV
-
-        return DirectPagedBatchKV(self.pool, self.attention, slot_mapping, tables,
-                                  context_lens, query_start_loc)
+        for b, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
+            block_table[b, : len(table)] = table
+            slot_mapping += slots_for(table, chunk.start, chunk.end, ps)
+        return {
+            "tables": tables,
+            "block_table": mx.array(block_table),
+            "slot_mapping": mx.array(slot_mapping, dtype=mx.int32),
+        }
     # ANCHOR_END: paged_space
 
     def nbytes(self) -> int:
@@ -390,27 +449,97 @@ class PagedKVSpace(BlockSpace):
         }
 
 
+# ANCHOR: gather_attention
+class GatherAttention:
+    """Day 3's attention: write the new rows at their slots, then gather each sequence's
+    rows back into a dense array and run the dense oracle on it. Correct, and O(context)
+    bytes copied per layer per step: what Day 4 removes."""
+
+    name: ClassVar[str] = "gather"
+    storage: ClassVar[str] = "paged"
+
+    def __init__(self, kv: PagedKVSpace):
+        self.pool = kv.pool
+        self.page_size = kv.page_size
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        pass  # plain MLX ops serve any geometry
+
+    def begin_step(self, step: StepBatch) -> None:
+        self.step = step
+        self.context_slots = [
+            mx.array(slots_for(table, 0, end, self.page_size), dtype=mx.int32)
+            for table, end in zip(step.kv["tables"], step.context_lens, strict=True)
+        ]
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        self.pool.write(layer, self.step.kv["slot_mapping"], k, v)
+        qsl, outs = self.step.query_start_loc, []
+        for b, slots in enumerate(self.context_slots):
+            lo, hi = qsl[b], qsl[b + 1]
+            keys, values = self.pool.gather(layer, slots)
+            outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo)))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def state(self) -> list[mx.array]:
+        return self.pool.k + self.pool.v
+# ANCHOR_END: gather_attention
+
+
+# ANCHOR: pool_size
+MAX_POOL_FRACTION = 0.9  # of the memory available when the engine starts
+
+
 def kv_bytes_per_token(config, dtype: mx.Dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.size
 
 
-def pool_pages(config, dtype: mx.Dtype, page_size: int, kv_memory_bytes: float | None,
-               num_pages: int | None, max_model_len: int, max_num_seqs: int) -> int:
-    """Pages in the pool: ``num_pages`` if given; else the budget (bytes, or a fraction of
-    physical memory if <= 1) divided by the bytes of a page; by default enough for every
-    slot at ``max_model_len``, capped at a tenth of physical memory."""
-    if num_pages is not None:
-        return num_pages
+def available_memory() -> int:
+    """Bytes the pool may come from: the GPU's working set on Apple silicon, else the
+    memory the OS reports available (physical memory where it reports none)."""
+    if mx.default_device() == mx.gpu:
+        return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    if sys.platform.startswith("linux"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pool_pages(config, dtype: mx.Dtype, page_size: int, max_model_len: int, max_num_seqs: int,
+               kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
+               num_pages: int | None = None, available: int | None = None) -> int:
+    """Pages in the pool: ``num_pages``, or as many as ``kv_memory_bytes`` (bytes) or
+    ``kv_memory_fraction`` (of available memory) hold; by default enough for every slot at
+    ``max_model_len``, capped at a tenth of available memory. An explicit size beyond
+    ``MAX_POOL_FRACTION`` of available memory is refused before anything is allocated."""
     page_bytes = kv_bytes_per_token(config, dtype) * page_size
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if kv_memory_bytes is None:
+    available = available_memory() if available is None else available
+    limit = int(available * MAX_POOL_FRACTION)
+    if num_pages is None and kv_memory_bytes is None and kv_memory_fraction is None:
         wanted = blocks_needed(max_model_len, page_size) * max_num_seqs
-        return max(1, min(wanted, int(physical * 0.1) // page_bytes))
-    budget = kv_memory_bytes * physical if kv_memory_bytes <= 1 else kv_memory_bytes
-    pages = int(budget // page_bytes)
+        return max(1, min(wanted, available // 10 // page_bytes))
+    if num_pages is not None:
+        asked, what = num_pages * page_bytes, f"num_pages={num_pages}"
+    elif kv_memory_bytes is not None:
+        asked, what = kv_memory_bytes, f"kv_memory_bytes={kv_memory_bytes}"
+    else:
+        asked = int(kv_memory_fraction * available)
+        what = f"kv_memory_fraction={kv_memory_fraction}"
+    pages = num_pages if num_pages is not None else asked // page_bytes
     if pages < 1:
-        raise ValueError(f"kv_memory_bytes={kv_memory_bytes} holds no page of {page_bytes} bytes")
+        raise ValueError(f"{what} holds no page of {page_bytes} bytes ({page_size} tokens)")
+    if pages * page_bytes > limit:
+        raise ValueError(
+            f"{what} asks for a KV pool of {pages * page_bytes / 2**30:.2f} GiB "
+            f"({pages} pages of {page_bytes} bytes), but this machine has "
+            f"{available / 2**30:.2f} GiB available and the pool may take at most "
+            f"{MAX_POOL_FRACTION:.0%} of it"
+        )
     return pages
+# ANCHOR_END: pool_size
 
 
 def log_pool(num_pages: int, page_size: int, page_bytes: int, max_model_len: int) -> None:

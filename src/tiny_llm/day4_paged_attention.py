@@ -6,41 +6,54 @@ pages where they are. For query row ``i`` of sequence ``b`` (absolute position
 ``context_lens[b] - L_b + i``), key position ``p`` is found by address translation:
 page ``block_table[b, p // page_size]``, slot ``p % page_size``.
 
-Two implementations share one interface (the block-table interface of the book's Day 4):
+Two implementations of the block-table interface:
 
 - ``paged_attention_reference``: plain MLX ops, one *page column* per iteration with an
   online softmax (running max, running sum, running output). Correctness first, and an
   oracle for the kernels.
-- ``paged_attention``: the extension op (``src/extensions``). Decode rows run the vector
-  schedule, one (query row, KV head) per work item on all cores; rows of multi-token
-  queries run Day 5's tiled schedule. On Apple GPUs the same two schedules run as Metal
-  kernels. ``paged_kv_write`` writes new rows into the pages in place, O(new tokens)
-  whatever the pool size.
+- ``paged_attention``: the extension op (``src/extensions``) with the *vector schedule*:
+  one work item per (query row, KV head) walks its sequence's pages and folds each page
+  into its online softmax, for all query heads of the KV head's group at once (each K/V
+  row is read once per group). CPU threads in C++; a threadgroup per item on Apple GPUs.
+  A multi-token query is several rows, each walking its own causal range: Day 5 shares
+  the pages between them.
 
-``check_metadata`` validates everything a kernel would trust, before any kernel runs.
+``paged_kv_write`` writes new rows into the pages in place, O(new tokens) whatever the pool
+size. ``check_metadata`` validates everything a kernel would trust, before any kernel runs;
+``check_geometry`` says at engine build whether the kernels serve the model at all.
+
+Engine backends: ``PageWalkAttention`` (``attention="reference"``) and
+``VectorKernelAttention`` (``attention="vector"``).
 """
 
 from __future__ import annotations
 
-from tiny_llm.day3_paged_kv import PagePool
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tiny_llm.day3_paged_kv import PagedKVSpace
 from tiny_llm.extension import extension
+from tiny_llm.step import AttentionGeometry, StepBatch
 
 import mlx.core as mx
 import numpy as np
 
 
-def check_geometry(n_heads: int, n_kv_heads: int, head_dim: int, page_size: int,
-                   dtype: mx.Dtype, device: mx.Device) -> None:
-    """Raise ValueError unless the kernels can serve this attention geometry on ``device``
-    (checked once per engine, before any step, and per call when validating)."""
-    if dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        raise ValueError(f"attention runs in float32, float16 or bfloat16, not {dtype}")
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
-        raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-    if page_size < 1 or head_dim < 1:
-        raise ValueError(f"page_size and head_dim must be positive, got {page_size}, {head_dim}")
-    if device == mx.gpu:  # the launcher's own rule (src/extensions/metal_launch.cpp)
-        extension().check_metal_geometry(n_heads, n_kv_heads, head_dim, page_size, dtype)
+# ANCHOR: check_geometry
+def check_geometry(geometry: AttentionGeometry) -> None:
+    """Raise ValueError unless the kernels serve this geometry on its device: the CPU
+    kernels any float geometry, the Metal ones what their launcher accepts."""
+    g = geometry
+    if g.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"attention runs in float32, float16 or bfloat16, not {g.dtype}")
+    if g.n_kv_heads < 1 or g.n_heads < 1 or g.n_heads % g.n_kv_heads:
+        raise ValueError(f"{g.n_heads} query heads are not a multiple of {g.n_kv_heads} KV heads")
+    if g.head_dim < 1 or (g.page_size is not None and g.page_size < 1):
+        raise ValueError(f"head_dim and page_size must be positive: {g.head_dim}, {g.page_size}")
+    if g.device == mx.gpu:  # the launcher's own rule (src/extensions/metal_launch.cpp)
+        extension().check_metal_geometry(g.n_heads, g.n_kv_heads, g.head_dim, g.page_size,
+                                         g.dtype)
+# ANCHOR_END: check_geometry
 
 
 # ANCHOR: check_metadata
@@ -61,7 +74,8 @@ def check_metadata(
     num_pages, page_size, n_kv_heads, head_dim = k_pages.shape
     if n_kv_heads < 1 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages with {n_kv_heads} KV heads of {head_dim}")
-    check_geometry(q.shape[1], n_kv_heads, head_dim, page_size, q.dtype, mx.default_device())
+    check_geometry(AttentionGeometry(q.shape[1], n_kv_heads, head_dim, page_size, q.dtype,
+                                     mx.default_device()))
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q and pages must share a float dtype; got {q.dtype}, {k_pages.dtype}")
     for name, a in (("block_table", block_table), ("context_lens", context_lens),
@@ -99,15 +113,13 @@ def paged_attention(
     query_start_loc: mx.array,
     scale: float,
     validate: bool = True,
-    tiled: bool = True,
 ) -> mx.array:
-    """The extension kernel. ``validate=False`` skips the checks (the engine builds its
-    metadata itself and checks it once in tests). ``tiled=False``: the vector schedule for
-    every row (Day 4); ``True``: multi-token queries take the tiled schedule (Day 5)."""
+    """The extension's vector schedule for every query row. ``validate=False`` skips the
+    checks (the engine builds its metadata itself; tests check it)."""
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
     return extension().paged_attention(
-        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled
+        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=False
     )
 
 
@@ -130,38 +142,44 @@ def paged_kv_write(
 
 
 # ANCHOR: reference_page_walk
-def paged_attention_reference(
-    q: mx.array,
-    k_pages: mx.array,
-    v_pages: mx.array,
-    block_table: mx.array,
-    context_lens: mx.array,
-    query_start_loc: mx.array,
-    scale: float,
-) -> mx.array:
-    """The page walk in MLX ops: every query row reads page column j of its sequence per
-    iteration and folds it into an online softmax. Never builds the whole context."""
+@dataclass
+class PageWalk:
+    """Per-row metadata of a page walk, computed once per step (every layer shares it)."""
+
+    rows_table: mx.array  # [T, max_pages]: the block table of each row's sequence
+    last_pos: mx.array  # [T, 1, 1, 1]: the last key position each row sees (causal)
+    num_columns: int  # page columns the longest row walks
+
+    @classmethod
+    def of(cls, block_table: mx.array, context_lens: mx.array, query_start_loc: mx.array,
+           page_size: int) -> PageWalk:
+        qsl, ctx = np.array(query_start_loc), np.array(context_lens)
+        query_lens = np.diff(qsl)
+        seq_of_row = np.repeat(np.arange(len(ctx)), query_lens)
+        row_in_seq = np.arange(qsl[-1]) - qsl[seq_of_row]
+        last_pos = ctx[seq_of_row] - query_lens[seq_of_row] + row_in_seq
+        return cls(mx.array(np.array(block_table)[seq_of_row]),
+                   mx.array(last_pos)[:, None, None, None],
+                   -(-(int(last_pos.max(initial=0)) + 1) // page_size))
+
+
+def page_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: PageWalk,
+              scale: float) -> mx.array:
+    """Every query row reads page column j of its sequence per iteration and folds it into
+    an online softmax. Never builds the whole context."""
     T, n_heads, D = q.shape
     _, page_size, n_kv_heads, _ = k_pages.shape
     group = n_heads // n_kv_heads
-    qsl = np.array(query_start_loc)
-    ctx = np.array(context_lens)
-    seq_of_row = np.repeat(np.arange(len(ctx)), np.diff(qsl))
-    row_in_seq = np.arange(T) - qsl[seq_of_row]
-    last_pos = ctx[seq_of_row] - np.diff(qsl)[seq_of_row] + row_in_seq  # causal limit per row
-    rows_table = mx.array(np.array(block_table)[seq_of_row])  # [T, max_pages]
     qg = (q.astype(mx.float32) * scale).reshape(T, n_kv_heads, group, D)
     m = mx.full((T, n_kv_heads, group, 1), -mx.inf)  # running max, sum, output
     denom = mx.zeros((T, n_kv_heads, group, 1))
     acc = mx.zeros((T, n_kv_heads, group, D))
     slot_pos = mx.arange(page_size)
-    limit = mx.array(last_pos)[:, None, None, None]
-    num_columns = -(-(int(last_pos.max()) + 1) // page_size)
-    for j in range(num_columns):
-        pages = mx.maximum(rows_table[:, j], 0)  # -1 (unused) is masked below
+    for j in range(walk.num_columns):
+        pages = mx.maximum(walk.rows_table[:, j], 0)  # -1 (unused) is masked below
         k = k_pages[pages].astype(mx.float32)  # [T, page_size, Hkv, D]
         v = v_pages[pages].astype(mx.float32)
-        visible = (j * page_size + slot_pos)[None, None, None, :] <= limit  # [T, 1, 1, S]
+        visible = (j * page_size + slot_pos)[None, None, None, :] <= walk.last_pos  # [T,1,1,S]
         # Mask V too: p is 0 at hidden slots, but 0 * NaN (garbage in a slot) is NaN.
         v = mx.where(visible.reshape(T, page_size, 1, 1), v, 0.0)
         scores = mx.where(visible, mx.einsum("thgd,tshd->thgs", qg, k), -mx.inf)
@@ -172,43 +190,77 @@ def paged_attention_reference(
         acc = acc * correction + mx.einsum("thgs,tshd->thgd", p, v)
         m = new_m
     return (acc / denom).reshape(T, n_heads, D).astype(q.dtype)
+
+
+def paged_attention_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,
+                              block_table: mx.array, context_lens: mx.array,
+                              query_start_loc: mx.array, scale: float) -> mx.array:
+    """The block-table interface, walked with MLX ops (the kernels' oracle)."""
+    walk = PageWalk.of(block_table, context_lens, query_start_loc, k_pages.shape[1])
+    return page_walk(q, k_pages, v_pages, walk, scale)
 # ANCHOR_END: reference_page_walk
 
 
-# ANCHOR: direct_paged_batch
-class DirectPagedBatchKV:
-    """One engine step whose attention reads the pages in place (Day 4).
+# ANCHOR: walk_backends
+class PageWalkAttention:
+    """``attention="reference"``: the page walk in MLX ops; writes with MLX indexing."""
 
-    ``attention="reference"`` walks them with MLX ops and writes with MLX indexing;
-    ``attention="kernel"`` uses the extension for both. Neither gathers dense K/V."""
+    name: ClassVar[str] = "reference"
+    storage: ClassVar[str] = "paged"
 
-    def __init__(self, pool: PagePool, attention: str, slot_mapping: list[int],
-                 block_tables: list[list[int]], context_lens: list[int],
-                 query_start_loc: list[int]):
-        self.pool = pool
-        self.attention = attention
-        width = max(len(t) for t in block_tables)
-        table = np.full((len(block_tables), width), -1, dtype=np.int32)
-        for b, t in enumerate(block_tables):
-            table[b, : len(t)] = t
-        self.block_table = mx.array(table)
-        self.context_lens = mx.array(context_lens, dtype=mx.int32)
-        self.query_start_loc = mx.array(query_start_loc, dtype=mx.int32)
-        self.slot_mapping = mx.array(slot_mapping, dtype=mx.int32)
+    def __init__(self, kv: PagedKVSpace):
+        self.pool = kv.pool
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        pass  # plain MLX ops serve any geometry
+
+    def begin_step(self, step: StepBatch) -> None:
+        self.step = step
+        self.walk = PageWalk.of(step.kv["block_table"], mx.array(step.context_lens),
+                                mx.array(step.query_start_loc), self.pool.page_size)
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        pool = self.pool
-        if self.attention == "kernel":
-            pool.k[layer], pool.v[layer] = paged_kv_write(
-                pool.k[layer], pool.v[layer], k, v, self.slot_mapping, validate=False
-            )
-            return paged_attention(q, pool.k[layer], pool.v[layer], self.block_table,
-                                   self.context_lens, self.query_start_loc, scale,
-                                   validate=False)
-        pool.write(layer, self.slot_mapping, k, v)
-        return paged_attention_reference(q, pool.k[layer], pool.v[layer], self.block_table,
-                                         self.context_lens, self.query_start_loc, scale)
+        self.pool.write(layer, self.step.kv["slot_mapping"], k, v)
+        return page_walk(q, self.pool.k[layer], self.pool.v[layer], self.walk, scale)
 
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v
-# ANCHOR_END: direct_paged_batch
+
+
+class VectorKernelAttention:
+    """``attention="vector"``: the extension writes the pages in place and runs the vector
+    schedule for every row. Neither gathers dense K/V."""
+
+    name: ClassVar[str] = "vector"
+    storage: ClassVar[str] = "paged"
+
+    def __init__(self, kv: PagedKVSpace):
+        self.pool = kv.pool
+        extension()  # fail at engine build, with the build command, rather than mid-step
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        check_geometry(geometry)
+
+    def begin_step(self, step: StepBatch) -> None:
+        self.step = step
+        self.context_lens = mx.array(step.context_lens, dtype=mx.int32)
+        self.query_start_loc = mx.array(step.query_start_loc, dtype=mx.int32)
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        pool, step = self.pool, self.step
+        # The old pools are dropped as the new ones are stored: the write happens in place.
+        pool.k[layer], pool.v[layer] = paged_kv_write(
+            pool.k[layer], pool.v[layer], k, v, step.kv["slot_mapping"], validate=False
+        )
+        return self.attend_pages(q, pool.k[layer], pool.v[layer], scale)
+
+    def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
+                     scale: float) -> mx.array:
+        return paged_attention(q, k_pages, v_pages, self.step.kv["block_table"],
+                               self.context_lens, self.query_start_loc, scale, validate=False)
+
+    def state(self) -> list[mx.array]:
+        return self.pool.k + self.pool.v
+# ANCHOR_END: walk_backends

@@ -1,36 +1,68 @@
 """The serving engine: requests in, one mixed forward per step, tokens out.
 
+The engine composes the chapters from its configuration: a KV storage (Day 1's dense slots
+or Day 3's page pool), the scheduler that goes with it (Day 1, Day 2 with chunked prefill,
+Day 3 with pages), and an attention backend from ``ATTENTION_BACKENDS`` (Days 1, 3, 4, 5).
 ``LLMEngine.step`` is the whole serving loop, in four moves:
 
 1. the scheduler picks this step's work: a decode token for each running request and
-   prefill chunks for the rest of the token budget (``day1_batching``, ``day2_chunked_prefill``);
-2. the chunks are laid out as one flat batch — token ids, positions, and where each
-   sequence's rows start — with no padding;
+   prefill chunks for the rest of the token budget;
+2. ``StepBatch.build`` lays the chunks out once as one flat batch — token ids, positions,
+   where each sequence's rows start, block tables and slot mapping — with no padding;
 3. one model forward runs it; logits are computed only at each sequence's last scheduled
    token, and only for sequences whose prompt is fully processed;
 4. the sampler picks a token per such sequence; requests that hit a stop are retired and
    their slot is reused by the next step.
 
+Reliability, as a user of a server expects it:
+
+- A step is all-or-nothing. Everything that can fail (scheduling, the forward, sampling)
+  happens before anything is recorded; if it raises — an error, or Ctrl-C — no request
+  gains a token or loses text, seeded generators are rewound, and the next step
+  continues from there (admissions and preemptions the scheduler made stand: they are
+  valid states, and recomputed K/V is exact). The bookkeeping that follows cannot fail
+  and holds back Ctrl-C until it is done.
+- Outputs belong to requests. ``generate`` and ``stream`` read their own requests'
+  queues; ``step`` returns the outputs of requests added with ``add_request``. Any number
+  of streams, ``generate`` calls and step loops can interleave, from several threads: the
+  engine serialises its calls with one lock (one step at a time). A request id is taken
+  until its last output has been delivered. A stream dropped or closed before its end
+  aborts its request and frees its pages.
+
 ``LLM`` is the offline front door in vLLM's shape: ``LLM().generate(prompts, params)``.
-Engine options are keyword arguments; an unknown option is an error, never ignored.
+Engine options are keyword arguments; an unknown or mistyped option is an error.
 """
 
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from tiny_llm.day1_batching import POLICIES, ScheduledChunk, Scheduler, UnboundedKV
-from tiny_llm.day3_paged_kv import PagedKVSpace, kv_bytes_per_token, log_pool, pool_pages
-from tiny_llm.day4_paged_attention import check_geometry
-from tiny_llm.extension import extension
-from tiny_llm.kv_cache import DenseBatchKV, DenseKVCache
+from tiny_llm.day1_batching import POLICIES, DenseAttention, DenseSlots, Scheduler
+from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
+from tiny_llm.day3_paged_kv import (
+    MAX_POOL_FRACTION,
+    GatherAttention,
+    PagedKVSpace,
+    PagedScheduler,
+    kv_bytes_per_token,
+    log_pool,
+    pool_pages,
+)
+from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
+from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
+from tiny_llm.step import AttentionGeometry, StepBatch
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -38,7 +70,21 @@ import numpy as np
 from jinja2.exceptions import TemplateError
 
 KV_CACHES = ("dense", "paged")
-ATTENTIONS = ("gather", "reference", "kernel")
+
+# ANCHOR: attention_registry
+ATTENTION_BACKENDS = {
+    backend.name: backend
+    for backend in (
+        DenseAttention,  # Day 1: dense per-request caches
+        GatherAttention,  # Day 3: pages, gathered back into dense K/V
+        PageWalkAttention,  # Day 4: the page walk in MLX ops
+        VectorKernelAttention,  # Day 4: the vector schedule (C++ / Metal)
+        TiledWalkAttention,  # Day 5: the tiled walk in MLX ops
+        FlashAttention,  # Day 5: vector decode rows + tiled multi-token queries (C++ / Metal)
+    )
+}
+DEFAULT_ATTENTION = {"dense": "dense", "paged": "flash"}
+# ANCHOR_END: attention_registry
 
 Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 
@@ -53,38 +99,51 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # Day 2; off: a prompt is prefilled in one step
     kv_cache: str = "paged"  # "dense": per-request caches (Days 1-2); "paged" (Day 3)
     page_size: int = 16  # tokens per KV page (paged)
-    kv_memory_bytes: float | None = None  # pool budget: bytes, or a fraction of RAM if <= 1
-    num_pages: int | None = None  # explicit pool size; overrides kv_memory_bytes
+    num_pages: int | None = None  # pool size in pages (paged) ...
+    kv_memory_bytes: int | None = None  # ... or in bytes ...
+    kv_memory_fraction: float | None = None  # ... or as a fraction of available memory
     enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
-    attention: str = "kernel"  # paged: "gather" (Day 3), "reference" or "kernel" (Days 4-5)
+    attention: str | None = None  # a name in ATTENTION_BACKENDS; default: the storage's best
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            _check_int(name, getattr(self, name), 1)
+        for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1)):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), least)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}), or running requests could not all decode"
             )
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        _check_choice("scheduler", self.scheduler, POLICIES)
+        _check_choice("kv_cache", self.kv_cache, KV_CACHES)
+        fraction = self.kv_memory_fraction
+        if fraction is not None and not (
+            isinstance(fraction, int | float) and not isinstance(fraction, bool)
+            and 0 < fraction <= MAX_POOL_FRACTION
         ):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.scheduler not in POLICIES:
-            raise ValueError(f"scheduler must be one of {POLICIES}, got {self.scheduler!r}")
-        if self.kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        for name in ("page_size", "num_pages"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_memory_bytes is not None and not self.kv_memory_bytes > 0:
-            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes!r}")
+            raise ValueError(
+                f"kv_memory_fraction must be a number in (0, {MAX_POOL_FRACTION}], got {fraction!r}"
+            )
+        sizes = [n for n in ("num_pages", "kv_memory_bytes", "kv_memory_fraction")
+                 if getattr(self, n) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give at most one of num_pages, kv_memory_bytes and "
+                             f"kv_memory_fraction, not {' and '.join(sizes)}")
+        if sizes and self.kv_cache != "paged":
+            raise ValueError(f"{sizes[0]} sizes the page pool: it needs kv_cache='paged'")
+        if self.attention is None:
+            self.attention = DEFAULT_ATTENTION[self.kv_cache]
+        _check_choice("attention", self.attention, tuple(ATTENTION_BACKENDS))
+        storage = ATTENTION_BACKENDS[self.attention].storage
+        if storage != self.kv_cache:
+            raise ValueError(f"attention={self.attention!r} reads {storage} K/V; it needs "
+                             f"kv_cache={storage!r}, not {self.kv_cache!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -98,44 +157,28 @@ class EngineConfig:
         return cls(**options)
 
 
-# ANCHOR: dense_slots
-class DenseSlots(UnboundedKV):
-    """Days 1-2 KV storage: ``max_num_seqs`` dense caches, one per slot, reused in turn
-    (no page limit: ``begin`` and ``commit`` have nothing to do)."""
+def _check_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
-    def __init__(self, num_slots: int, num_layers: int):
-        self.caches = [DenseKVCache(num_layers) for _ in range(num_slots)]
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.slot_of: dict[Request, int] = {}
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        if request not in self.slot_of:
-            self.slot_of[request] = self.free_slots.pop()
-        return True
-
-    def free(self, request: Request) -> None:
-        slot = self.slot_of.pop(request, None)
-        if slot is not None:
-            self.caches[slot].reset()
-            self.free_slots.append(slot)
-
-    def batch(self, chunks: list[ScheduledChunk], query_start_loc: list[int]) -> DenseBatchKV:
-        return DenseBatchKV([self.caches[self.slot_of[c.request]] for c in chunks], query_start_loc)
-
-    def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
-# ANCHOR_END: dense_slots
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 # ANCHOR: engine
 class LLMEngine:
     def __init__(self, model: Model, tokenizer: Tokenizer, **options: Any):
-        self.config = EngineConfig.from_options(options)
-        self.model = model
-        self.tokenizer = tokenizer
-        cfg = self.config
-        self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
-        if cfg.kv_cache == "paged" and not cfg.enable_chunked_prefill and (
+        self.config = cfg = EngineConfig.from_options(options)
+        self.model, self.tokenizer = model, tokenizer
+        context = model.config.max_position_embeddings
+        if cfg.max_model_len is not None and cfg.max_model_len > context:
+            raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's context "
+                             f"length ({context})")
+        self.max_model_len = cfg.max_model_len or context
+        paged = cfg.kv_cache == "paged"
+        if paged and not cfg.enable_chunked_prefill and (
             cfg.max_num_batched_tokens < self.max_model_len
         ):
             # A preempted request recomputes prompt + output in one piece: it must fit.
@@ -144,57 +187,66 @@ class LLMEngine:
                 f"({cfg.max_num_batched_tokens}) must be at least max_model_len "
                 f"({self.max_model_len})"
             )
+        backend = ATTENTION_BACKENDS[cfg.attention]
+        backend.check(AttentionGeometry.of(model.config, cfg.page_size if paged else None,
+                                           model.dtype))  # before any memory is allocated
         self.kv = self._make_kv_space()
-        self.scheduler = Scheduler(
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            cfg.scheduler,
-            cfg.enable_chunked_prefill,
-            self.kv,
-        )
-        self.requests: dict[str, Request] = {}
-        self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by step()
+        self.attention = backend(self.kv)
+        self.scheduler = self._make_scheduler()
+        self.requests: dict[str, Request] = {}  # ids taken: live or with undelivered outputs
+        self._queues: dict[Request, deque[RequestOutput]] = {}  # outputs of generate/stream
+        self._pending: list[RequestOutput] = []  # outputs of add_request'ed requests, for step()
+        self._abandoned: deque[Request] = deque()  # requests of streams dropped unfinished
+        self._lock = threading.RLock()
         self._ids = itertools.count()
-        self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0, "num_generated_tokens": 0}
+        self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0,
+                         "num_generated_tokens": 0}
 
     def _make_kv_space(self) -> DenseSlots | PagedKVSpace:
-        cfg, mcfg = self.config, self.model.config
+        cfg, mcfg, dtype = self.config, self.model.config, self.model.dtype
         if cfg.kv_cache == "dense":
             return DenseSlots(cfg.max_num_seqs, mcfg.num_hidden_layers)
-        dtype = self.model.dtype
-        pages = pool_pages(mcfg, dtype, cfg.page_size, cfg.kv_memory_bytes, cfg.num_pages,
-                           self.max_model_len, cfg.max_num_seqs)
-        page_bytes = kv_bytes_per_token(mcfg, dtype) * cfg.page_size
-        log_pool(pages, cfg.page_size, page_bytes, self.max_model_len)
-        if cfg.attention != "gather":
-            check_geometry(mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim,
-                           cfg.page_size, dtype, mx.default_device())
-        if cfg.attention == "kernel":
-            extension()  # fail now, with the build command, rather than mid-step
-        return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype,
-                            cfg.attention)
+        pages = pool_pages(mcfg, dtype, cfg.page_size, self.max_model_len, cfg.max_num_seqs,
+                           cfg.kv_memory_bytes, cfg.kv_memory_fraction, cfg.num_pages)
+        log_pool(pages, cfg.page_size, kv_bytes_per_token(mcfg, dtype) * cfg.page_size,
+                 self.max_model_len)
+        return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
+
+    def _make_scheduler(self) -> Scheduler:
+        cfg = self.config
+        args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
+        if cfg.kv_cache == "paged":  # Day 3
+            return PagedScheduler(*args, kv=self.kv, chunked=cfg.enable_chunked_prefill)
+        if cfg.enable_chunked_prefill:  # Day 2
+            return ChunkedPrefillScheduler(*args, kv=self.kv)
+        return Scheduler(*args, kv=self.kv)  # Day 1
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> LLMEngine:
         from tiny_llm.loader import load
 
+        EngineConfig.from_options(options)  # reject bad options before loading weights
         return cls(*load(model), **options)
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Validate and queue a request; raises ValueError/TypeError and changes nothing on
-        bad input."""
+    # ------------------------------------------------------------ requests in
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request whose outputs ``step()`` returns. Raises ValueError/TypeError
+        and changes nothing on bad input."""
+        with self._lock:
+            return self._add(prompt, params, request_id, collect=False).request_id
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+             collect: bool) -> Request:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}"
+                            + (" (use SamplingParams(**d))" if isinstance(params, dict) else ""))
         text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
-        token_ids = [int(t) for t in token_ids]
-        self._check_fits(len(token_ids), params)
+        token_ids = self._check_prompt(token_ids)
+        self._check_params(params, len(token_ids))
+        self._reap_abandoned()
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:  # a caller may have used it explicitly
@@ -202,48 +254,57 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(
-            token_ids,
-            params,
-            self.tokenizer.detokenizer(),
-            self.tokenizer.eos_token_ids,
-            self.max_model_len,
-            request_id,
-            text,
-        )
+        request = Request(token_ids, params, self.tokenizer.detokenizer(),
+                          self.tokenizer.eos_token_ids, self.max_model_len, request_id, text)
         self.requests[request_id] = request
+        if collect:
+            self._queues[request] = deque()
         self.scheduler.add(request)
-        return request_id
+        return request
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            _check_text("the prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, list(prompt["prompt_token_ids"])
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise TypeError("a dict prompt is {'prompt_token_ids': [...]}, got keys "
+                                f"{sorted(map(str, prompt))}")
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise TypeError(
+                    f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
+                )
+            return None, list(ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for i, message in enumerate(prompt):
+                for key, value in message.items():
+                    if isinstance(value, str):
+                        _check_text(f"message {i} {key!r}", value)
             try:
                 return None, self.tokenizer.encode_chat(prompt)
             except TemplateError as e:  # malformed messages, or the template refused them
                 raise ValueError(f"the chat template cannot render these messages: {e}") from e
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
+        hint = " (decode bytes to str first)" if isinstance(prompt, bytes | bytearray) else ""
         raise TypeError(
             "a prompt is a string, a list of token ids, {'prompt_token_ids': [...]}, "
-            f"or a list of chat messages; got {type(prompt).__name__}"
+            f"or a list of chat messages; got {type(prompt).__name__}{hint}"
         )
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def _check_prompt(self, token_ids: list) -> list[int]:
         if not token_ids:
             raise ValueError("the prompt is empty")
-        not_ints = [
-            t for t in token_ids if isinstance(t, bool) or not isinstance(t, int | np.integer)
-        ]
+        not_ints = [t for t in token_ids
+                    if isinstance(t, bool) or not isinstance(t, int | np.integer)]
         if not_ints:
             raise TypeError(f"prompt token ids must be integers, got {not_ints[:5]}")
+        token_ids = [int(t) for t in token_ids]
         vocab = self.model.config.vocab_size
-        bad = [int(t) for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
@@ -257,96 +318,147 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
                 f"({budget}), and chunked prefill is off"
             )
+        return token_ids
 
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """A request whose longest possible sequence exceeds the whole KV pool could never
-        finish, even alone: reject it now instead of letting it wait forever."""
-        if not isinstance(self.kv, PagedKVSpace):
-            return
+    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        for s in params.stop:
+            _check_text("a stop string", s)
+        # A request whose longest possible sequence exceeds the whole KV pool could never
+        # finish, even alone: reject it now instead of letting it wait forever.
+        capacity = self.kv.capacity_tokens
         longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
                       self.max_model_len)
-        pool_tokens = self.kv.blocks.num_blocks * self.kv.page_size
-        if longest > pool_tokens:
+        if capacity is not None and longest > capacity:
             raise ValueError(
                 f"the request may need {longest} tokens of KV cache (prompt "
-                f"{num_prompt_tokens} + max_tokens) but the whole pool holds {pool_tokens}; "
-                "lower max_tokens or raise kv_memory_bytes/num_pages"
+                f"{num_prompt_tokens} + max_tokens) but the whole pool holds {capacity}; "
+                "lower max_tokens or enlarge the pool (num_pages, kv_memory_bytes)"
             )
 
     def abort(self, request_id: str) -> None:
-        request = self.requests.pop(str(request_id), None)
-        if request is None:
-            raise ValueError(f"unknown request id {request_id!r}")
+        """Finish a running request with reason "abort" and free its slot and pages now."""
+        with self._lock:
+            request = self.requests.get(str(request_id))
+            if request is None or request.is_finished:
+                raise ValueError(f"unknown request id {request_id!r} (not running)")
+            self._abort(request)
+
+    def _abort(self, request: Request) -> None:
         delta = request.finish("abort")
         self.scheduler.retire(request)
-        self._pending.append(request.output([], delta))
+        self._route(request, request.output([], delta))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if chunks:
-            sampling, logits = self._forward(chunks)
-        elif self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
-        # Outputs of aborts leave only once the forward succeeded: an error keeps them.
-        outputs, self._pending = self._pending, []
-        if not chunks:
-            return outputs
-        self.scheduler.finish_step(chunks)
-        tokens = sample_next_tokens(logits, [r.sampler for r in sampling]) if sampling else []
-        for request, token in zip(sampling, tokens, strict=True):
-            delta = request.append_token(token)
-            outputs.append(request.output([token], delta))
-            if request.is_finished:
-                self.scheduler.retire(request)
-                del self.requests[request.request_id]
-        self.counters["num_steps"] += 1
-        self.counters["num_generated_tokens"] += len(tokens)
-        return outputs
+        with self._lock:
+            self._reap_abandoned()
+            return self.scheduler.has_unfinished() or bool(self._pending)
 # ANCHOR_END: engine
 
-    # ANCHOR: forward
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], mx.array]:
-        """Lay the chunks out as one flat batch and run the model once."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        logit_rows: list[int] = []
-        sampling: list[Request] = []
-        for chunk in chunks:
-            req = chunk.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
-            token_ids += req.token_ids_between(start, end)
-            positions += range(start, end)
-            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
-            if end == req.num_tokens:  # the chunk reaches the end: sample the next token
-                logit_rows.append(query_start_loc[-1] - 1)
-                sampling.append(req)
-            if start < len(req.prompt_token_ids):
-                prompt_end = min(end, len(req.prompt_token_ids))
-                self.counters["num_prompt_tokens_computed"] += prompt_end - start
-        kv = self.kv.batch(chunks, query_start_loc)
-        logits = self.model(
-            mx.array(token_ids, dtype=mx.int32),
-            mx.array(positions, dtype=mx.int32),
-            kv,
-            mx.array(logit_rows, dtype=mx.int32),
-        )
-        mx.eval(logits, kv.state())
-        return sampling, logits
-    # ANCHOR_END: forward
+    # --------------------------------------------------------------- one step
+
+    # ANCHOR: step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of requests added with ``add_request`` (this
+        step's, and any produced while ``generate``/``stream`` drove the engine)."""
+        with self._lock:
+            self._step()
+            outputs, self._pending = self._pending, []
+            for out in outputs:
+                if out.finished:
+                    self.requests.pop(out.request_id, None)
+            return outputs
+
+    def _step(self) -> None:
+        self._reap_abandoned()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
+            return
+        batch = StepBatch.build(chunks, self.kv)
+        self.attention.begin_step(batch)
+        logits = self.model(batch.token_ids, batch.positions, self.attention, batch.logit_rows)
+        mx.eval(logits, self.attention.state())
+        tokens = self._sample(logits, batch.sampling)
+        with _interrupts_held():
+            self._commit(batch, tokens)
+    # ANCHOR_END: step
+
+    def _sample(self, logits: mx.array, requests: list[Request]) -> list[int]:
+        """Sample one token per request; on failure, every generator is as it was."""
+        if not requests:
+            return []
+        states = [(r.sampler.rng, r.sampler.rng.bit_generator.state) for r in requests
+                  if not r.params.greedy]
+        try:
+            return sample_next_tokens(logits, [r.sampler for r in requests])
+        except BaseException:
+            for rng, state in states:
+                rng.bit_generator.state = state
+            raise
+
+    def _commit(self, batch: StepBatch, tokens: list[int]) -> None:
+        """Record a successful step. Pure bookkeeping: nothing here may raise."""
+        self.scheduler.finish_step(batch.chunks)
+        for chunk in batch.chunks:
+            prompt_len = len(chunk.request.prompt_token_ids)
+            self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
+                                                               - chunk.start)
+        for request, token in zip(batch.sampling, tokens, strict=True):
+            delta = request.append_token(token)
+            if request.is_finished:
+                self.scheduler.retire(request)
+            self._route(request, request.output([token], delta))
+        self.counters["num_steps"] += 1
+        self.counters["num_generated_tokens"] += len(tokens)
+
+    def _route(self, request: Request, output: RequestOutput) -> None:
+        queue = self._queues.get(request)
+        if queue is not None:
+            queue.append(output)
+        else:
+            self._pending.append(output)
+
+    def _take(self, request: Request) -> RequestOutput | None:
+        """The next output of a generate/stream request, if any (releasing its id after
+        the last one)."""
+        queue = self._queues[request]
+        if not queue:
+            return None
+        out = queue.popleft()
+        if out.finished:
+            self._release(request)
+        return out
+
+    def _release(self, request: Request) -> None:
+        self._queues.pop(request, None)
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+
+    def _reap_abandoned(self) -> None:
+        """Abort the requests of streams that were dropped before their end."""
+        while self._abandoned:
+            request = self._abandoned.popleft()
+            if not request.is_finished:
+                self._abort(request)
+            self._release(request)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            **self.counters,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_bytes": self.kv.nbytes(),
-            **(self.kv.stats() if isinstance(self.kv, PagedKVSpace) else {}),
-        }
+        with self._lock:
+            return {
+                **self.counters,
+                "num_preemptions": getattr(self.scheduler, "num_preemptions", 0),
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_bytes": self.kv.nbytes(),
+                **self.kv.stats(),
+            }
+
+    # ----------------------------------------------------------- outputs out
 
     def generate(
         self,
@@ -354,61 +466,128 @@ class LLMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order."""
+        """Run every prompt to completion; outputs in input order. All or nothing: a bad
+        prompt adds none of them; an interrupt aborts the ones still running."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts"
-                )
-        ids: list[str] = []
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        requests: list[Request] = []
+        with self._lock:
+            try:
+                for p, sp in zip(prompts, params, strict=True):
+                    requests.append(self._add(p, sp, None, collect=True))
+            except (ValueError, TypeError):
+                self._drop(requests)
+                raise
+        final: dict[Request, RequestOutput] = {}
+        bar = _progress(len(requests), use_tqdm)
         try:
-            for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.add_request(p, sp))
-        except (ValueError, TypeError):
-            for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
-                self.abort(request_id)
-            self._pending = [o for o in self._pending if o.request_id not in ids]
-            raise
-        final: dict[str, RequestOutput] = {}
-        others: list[RequestOutput] = []  # outputs of requests added elsewhere: kept for step()
-        bar = _progress(len(ids), use_tqdm)
-        wanted = set(ids)
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.request_id not in wanted:
-                    others.append(out)
-                elif out.finished:
-                    final[out.request_id] = out
-                    bar.update(1) if bar else None
-        if bar:
-            bar.close()
-        self._pending = others + self._pending
-        return [final[i] for i in ids]
-
-    def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None
-    ) -> Iterator[RequestOutput]:
-        """Yield one request's outputs as they are produced. Bad input raises here, before
-        any iteration; closing the iterator (for example on Ctrl-C in a chat) aborts the
-        request."""
-        return self._stream(self.add_request(prompt, params))
-
-    def _stream(self, request_id: str) -> Iterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                for out in self.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        yield out
+            while len(final) < len(requests):
+                with self._lock:
+                    for request in requests:
+                        while request not in final and (out := self._take(request)):
+                            if out.finished:
+                                final[request] = out
+                                bar.update(1) if bar else None
+                    if len(final) < len(requests):
+                        self._step()
         finally:
-            if not finished and request_id in self.requests:
-                self.abort(request_id)
-                self._pending = [o for o in self._pending if o.request_id != request_id]
+            if bar:
+                bar.close()
+            with self._lock:
+                self._drop([r for r in requests if r not in final])
+        return [final[r] for r in requests]
+
+    def _drop(self, requests: list[Request]) -> None:
+        """Abort and forget requests whose owner is gone (their outputs go nowhere)."""
+        for request in requests:
+            if not request.is_finished:
+                self.scheduler.retire(request)
+                request.finish("abort")
+            self._release(request)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+        """An iterator over one request's outputs as they are produced. Bad input raises
+        here, before any iteration; closing or dropping the iterator aborts the request."""
+        with self._lock:
+            return RequestStream(self, self._add(prompt, params, None, collect=True))
+
+
+class RequestStream:
+    """One request's outputs, in order. Iterating drives the engine when none is ready."""
+
+    def __init__(self, engine: LLMEngine, request: Request):
+        self.engine, self.request = engine, request
+        self.request_id = request.request_id
+        self._done = False
+        # Dropped unfinished: hand the request to the engine to abort at its next call
+        # (a finalizer may run in any thread, so it only appends).
+        self._finalizer = weakref.finalize(self, engine._abandoned.append, request)
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        if self._done:
+            raise StopIteration
+        engine = self.engine
+        while True:
+            with engine._lock:
+                out = engine._take(self.request)
+                if out is None:
+                    engine._step()
+                    continue
+            if out.finished:
+                self._done = True
+                self._finalizer.detach()
+            return out
+
+    def close(self) -> None:
+        """Stop reading: abort the request if it is still running."""
+        if not self._done:
+            self._done = True
+            self._finalizer.detach()
+            with self.engine._lock:
+                self.engine._drop([self.request])
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def _interrupts_held():
+    """Hold Ctrl-C (SIGINT) until the block is done, then deliver it (main thread only:
+    signal handlers can only be set there, and only it receives KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous != signal.SIG_IGN:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:  # SIG_DFL, or a handler installed from C
+                raise KeyboardInterrupt
+
+
+def _check_text(what: str, text: str) -> None:
+    """Valid Unicode only (no lone surrogates, which cannot be encoded)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: character {e.start} "
+                         f"({text[e.start]!r}) is a lone surrogate") from None
 
 
 def _is_single_prompt(prompts: Any) -> bool:
@@ -433,7 +612,6 @@ class LLM:
     """vLLM-style offline API: ``LLM(model=None, **engine_options).generate(prompts, params)``."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        EngineConfig.from_options(engine_options)  # reject bad options before loading weights
         self.engine = LLMEngine.from_pretrained(model, **engine_options)
 
     def generate(

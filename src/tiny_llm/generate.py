@@ -32,11 +32,12 @@ def stream_generate(
         prompt_token_ids, params, tokenizer.detokenizer(), tokenizer.eos_token_ids, max_model_len
     )
     cache = DenseKVCache(model.config.num_hidden_layers)
+    start = 0  # tokens whose K/V is in the cache
     while not req.is_finished:
-        start, end = req.num_computed_tokens, req.num_tokens
+        end = req.num_tokens
         tokens = mx.array(req.token_ids_between(start, end), dtype=mx.int32)
         logits = model(tokens, mx.arange(start, end), cache, mx.array([end - start - 1]))
-        req.num_computed_tokens = end
+        start = end
         token = sample_next_tokens(logits, [req.sampler])[0]
         yield req.output([token], req.append_token(token))
 # ANCHOR_END: stream_generate

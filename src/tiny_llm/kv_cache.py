@@ -6,13 +6,10 @@ it is the course's oracle. It takes one sequence's queries at absolute positions
 sees keys ``0 .. q_start + i``.
 
 ``DenseKVCache`` is the starting point of the course: one growing buffer per layer for a
-single sequence. ``DenseBatchKV`` (Day 1) serves a flat batch by handing each sequence's
-rows to that sequence's own ``DenseKVCache``.
+single sequence. Day 1's engine gives each running request one of them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -61,7 +58,13 @@ class DenseKVCache:
         return self.lengths[-1]
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        start = self.lengths[layer]
+        """The sequence's next tokens (the model's ``KVCache`` for a single request)."""
+        return self.attend_at(layer, q, k, v, scale, self.lengths[layer])
+
+    def attend_at(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                  start: int) -> mx.array:
+        """Store ``k, v`` at positions ``start ..`` and attend over positions ``0 .. end - 1``.
+        The explicit position makes a repeated step (a retry) write the same rows again."""
         end = start + k.shape[0]
         self._reserve(layer, end, k)
         self.keys[layer][start:end] = k
@@ -86,25 +89,3 @@ class DenseKVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values if a is not None)
 # ANCHOR_END: dense_cache
-
-
-# ANCHOR: dense_batch
-class DenseBatchKV:
-    """A flat batch over per-sequence dense caches: rows ``[starts[b], starts[b+1])`` are
-    sequence ``b``'s new tokens."""
-
-    def __init__(self, caches: Sequence[DenseKVCache], query_start_loc: Sequence[int]):
-        self.caches = caches
-        self.query_start_loc = query_start_loc
-
-    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        outs = []
-        for b, cache in enumerate(self.caches):
-            lo, hi = self.query_start_loc[b], self.query_start_loc[b + 1]
-            outs.append(cache.attend(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
-
-    def state(self) -> list[mx.array]:
-        """The arrays this step wrote, to evaluate together with the logits."""
-        return [a for c in self.caches for a in c.keys + c.values if a is not None]
-# ANCHOR_END: dense_batch

@@ -1,0 +1,124 @@
+"""One engine step as data: the scheduled chunks, the flat batch, and the attention seam.
+
+A step runs one forward over the new tokens of several sequences, back to back with no
+padding. The scheduler decides *which* tokens (``ScheduledChunk``: a request and the
+positions ``start .. end - 1`` it computes this step); ``StepBatch.build`` lays them out
+once, and everything downstream reads that one object:
+
+- ``token_ids [T]`` and ``positions [T]``, the model's inputs;
+- ``query_start_loc [B + 1]``: sequence b owns rows ``query_start_loc[b] .. [b + 1] - 1``;
+- ``context_lens [B]``: tokens of sequence b once the step is done (its chunk's ``end``);
+- ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
+- what the KV storage adds: ``block_table [B, max_pages]`` and ``slot_mapping [T]`` for
+  paged storage (Day 3), the dense caches of the step's sequences otherwise (Day 1).
+
+Attention is the seam the chapters swap. An ``AttentionBackend`` checks at engine build
+that it can serve the model (``check(geometry)``); at every step it is given the step
+(``begin_step``), prepares what all layers share (metadata as arrays), and is then the
+``KVCache`` the model calls in every layer (``attend(layer, q, k, v, scale)``): it stores
+the layer's new K/V and returns each row's causal attention over its sequence's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``request`` computes positions ``start .. end - 1`` this step (a decode: one)."""
+
+    request: Any
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+# ANCHOR: step_batch
+@dataclass
+class StepBatch:
+    chunks: list[ScheduledChunk]
+    token_ids: mx.array  # int32 [T]
+    positions: mx.array  # int32 [T]
+    query_start_loc: list[int]  # [B + 1]
+    context_lens: list[int]  # [B]
+    logit_rows: mx.array  # int32 [R]: one row per sampling request
+    sampling: list[Any]  # the R requests that sample a token after this step
+    kv: dict[str, Any] = field(default_factory=dict)  # what the KV storage lays out
+
+    @classmethod
+    def build(cls, chunks: list[ScheduledChunk], kv_space: Any) -> StepBatch:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        logit_rows: list[int] = []
+        sampling = []
+        for chunk in chunks:
+            req = chunk.request
+            token_ids += req.token_ids_between(chunk.start, chunk.end)
+            positions += range(chunk.start, chunk.end)
+            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
+            if chunk.end == req.num_tokens:  # the chunk reaches the end: sample the next token
+                logit_rows.append(query_start_loc[-1] - 1)
+                sampling.append(req)
+        return cls(
+            chunks,
+            mx.array(token_ids, dtype=mx.int32),
+            mx.array(positions, dtype=mx.int32),
+            query_start_loc,
+            [c.end for c in chunks],
+            mx.array(logit_rows, dtype=mx.int32),
+            sampling,
+            kv_space.layout(chunks),
+        )
+# ANCHOR_END: step_batch
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """What an attention backend must support: the model's heads, the storage, the device."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int | None  # None: dense storage
+    dtype: mx.Dtype
+    device: mx.Device
+
+    @classmethod
+    def of(cls, config: Any, page_size: int | None, dtype: mx.Dtype) -> AttentionGeometry:
+        return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                   page_size, dtype, mx.default_device())
+
+
+# ANCHOR: attention_backend
+class AttentionBackend(Protocol):
+    """One way to attend over the KV storage (a chapter's choice), behind one interface."""
+
+    name: ClassVar[str]  # the engine option that selects it
+    storage: ClassVar[str]  # the KV storage it reads: "dense" or "paged"
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        """Raise ValueError, before any memory is allocated, if the model cannot be served."""
+        ...
+
+    def begin_step(self, step: StepBatch) -> None:
+        """Take the step about to run; prepare what its layers share."""
+        ...
+
+    def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Store the step's ``k, v [T, Hkv, D]`` for ``layer`` and return every row's causal
+        attention over its sequence, ``[T, Hq, D]`` (the model's ``KVCache``)."""
+        ...
+
+    def state(self) -> list[mx.array]:
+        """The arrays a step writes, evaluated together with the logits."""
+        ...
+# ANCHOR_END: attention_backend
