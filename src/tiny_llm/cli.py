@@ -1,18 +1,40 @@
 """``tiny-llm chat`` and ``tiny-llm generate``: the engine from a terminal.
 
-Both commands run the serving engine (``LLMEngine``) with its default configuration.
-``generate`` prints only the generated text on stdout (progress and load messages go to
-stderr), so it composes with pipes. ``chat`` keeps the conversation, streams each reply,
-and treats Ctrl-C as "stop this reply" (the request is aborted), not "quit".
+Both commands run the serving engine (``LLMEngine``); every engine option is a flag
+(``--kv-cache dense``, ``--attention reference``, ``--num-pages 64``, ...), so each
+chapter's configuration can be tried by hand. ``generate`` prints only the generated text
+on stdout (progress and load messages go to stderr), so it composes with pipes. ``chat``
+keeps the conversation, streams each reply, and treats Ctrl-C as "stop this reply" (the
+request is aborted), not "quit"; a line it cannot use (invalid UTF-8, a conversation too
+long) is reported and the conversation goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
+from dataclasses import fields
+from typing import Any
 
 from tiny_llm.sampling import SamplingParams
+
+# Engine options as flags: (flag, option, type, help).
+ENGINE_FLAGS = [
+    ("--max-num-seqs", "max_num_seqs", int, "requests that may run at once"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "the token budget of a step"),
+    ("--max-model-len", "max_model_len", int, "prompt + output tokens per request"),
+    ("--scheduler", "scheduler", str, "continuous (Day 1) or static"),
+    ("--kv-cache", "kv_cache", str, "dense (Days 1-2) or paged (Day 3)"),
+    ("--page-size", "page_size", int, "tokens per KV page"),
+    ("--num-pages", "num_pages", int, "KV pool size in pages"),
+    ("--kv-memory-bytes", "kv_memory_bytes", int, "KV pool size in bytes"),
+    ("--kv-memory-fraction", "kv_memory_fraction", float, "KV pool as a share of free memory"),
+    ("--attention", "attention", str,
+     "dense, gather (Day 3), reference or vector (Day 4), flash_reference or flash (Day 5)"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,45 +45,75 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file")
         p.add_argument("--temperature", type=float, default=0.7 if name == "chat" else 0.0)
         p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=-1)
+        p.add_argument("--min-p", type=float, default=0.0)
         p.add_argument("--max-tokens", type=int, default=512 if name == "chat" else 128)
         p.add_argument("--seed", type=int, default=None)
+        engine = p.add_argument_group("engine options (default: the final engine)")
+        for flag, dest, kind, help_engine in ENGINE_FLAGS:
+            engine.add_argument(flag, dest=dest, type=kind, default=None, help=help_engine)
+        engine.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                            action="store_false", default=None, help="prefill prompts whole")
+        engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                            action="store_false", default=None, help="never share pages")
+        engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as-is")
     return parser
 
 
-def load_engine(model: str | None):
-    from tiny_llm.engine import LLMEngine
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line (the rest keep their defaults)."""
+    from tiny_llm.engine import EngineConfig
 
+    names = {f.name for f in fields(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def load_engine(args: argparse.Namespace):
+    from tiny_llm.engine import EngineConfig, LLMEngine
+
+    options = engine_options(args)
+    EngineConfig.from_options(options)  # reject bad options before the (slow) model load
     start = time.perf_counter()
     print("loading model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_pretrained(model)
+    engine = LLMEngine.from_pretrained(args.model, **options)
     print(f"loaded in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     return engine
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
-    )
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def print_stats(engine, args: argparse.Namespace) -> None:
+    if args.stats:
+        for key, value in engine.stats().items():
+            print(f"{key}: {value}", file=sys.stderr)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_from(args)  # validate before the (slow) model load
-    engine = load_engine(args.model)
+    engine = load_engine(args)
     prompt = args.prompt if args.no_chat_template else [{"role": "user", "content": args.prompt}]
     for out in engine.stream(prompt, params):
         sys.stdout.write(out.text_delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    print_stats(engine, args)
     return 0
 
 
 # ANCHOR: chat
 def run_chat(args: argparse.Namespace) -> int:
     params = sampling_from(args)
-    engine = load_engine(args.model)
+    engine = load_engine(args)
+    # Undecodable input arrives as lone surrogates, which the engine refuses with the
+    # position: the line is reported, not the end of the chat.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     history: list[dict[str, str]] = []
     print("chat with the model; /reset clears the conversation, /exit quits, "
           "Ctrl-C stops a reply", file=sys.stderr)
@@ -70,8 +122,10 @@ def run_chat(args: argparse.Namespace) -> int:
             line = input("you> ").strip()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
+            print_stats(engine, args)
             return 0
         if line in ("/exit", "/quit"):
+            print_stats(engine, args)
             return 0
         if line == "/reset":
             history.clear()
@@ -82,9 +136,10 @@ def run_chat(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         try:
             reply = stream_reply(engine, history, params)
-        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+        except ValueError as e:  # invalid text, or the conversation outgrew max_model_len
             history.pop()
-            print(f"tiny-llm: {e} (try /reset)", file=sys.stderr)
+            print(f"tiny-llm: {e} (the conversation is kept; /reset clears it)",
+                  file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": reply})
 
@@ -112,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(args)
         return run_chat(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"tiny-llm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`tiny-llm generate ... | head`): stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141 if hasattr(signal, "SIGPIPE") else 1
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
 from tiny_llm.step import AttentionGeometry, StepBatch
-from tiny_llm.tokenizer import Tokenizer
+from tiny_llm.tokenizer import Tokenizer, check_text
 
 import mlx.core as mx
 import numpy as np
@@ -266,7 +266,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            _check_text("the prompt", prompt)
+            check_text("the prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if set(prompt) != {"prompt_token_ids"}:
@@ -282,7 +282,7 @@ class LLMEngine:
             for i, message in enumerate(prompt):
                 for key, value in message.items():
                     if isinstance(value, str):
-                        _check_text(f"message {i} {key!r}", value)
+                        check_text(f"message {i} {key!r}", value)
             try:
                 return None, self.tokenizer.encode_chat(prompt)
             except TemplateError as e:  # malformed messages, or the template refused them
@@ -325,8 +325,6 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        for s in params.stop:
-            _check_text("a stop string", s)
         # A request whose longest possible sequence exceeds the whole KV pool could never
         # finish, even alone: reject it now instead of letting it wait forever.
         capacity = self.kv.capacity_tokens
@@ -579,15 +577,6 @@ def _interrupts_held():
                 previous(signal.SIGINT, None)
             else:  # SIG_DFL, or a handler installed from C
                 raise KeyboardInterrupt
-
-
-def _check_text(what: str, text: str) -> None:
-    """Valid Unicode only (no lone surrogates, which cannot be encoded)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: character {e.start} "
-                         f"({text[e.start]!r}) is a lone surrogate") from None
 
 
 def _is_single_prompt(prompts: Any) -> bool:

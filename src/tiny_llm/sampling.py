@@ -46,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tiny_llm.tokenizer import check_text
+
 import mlx.core as mx
 import numpy as np
 
@@ -82,6 +84,8 @@ def _stop_strings(value: object) -> list[str]:
     items = [] if value is None else [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         raise _invalid("stop", "None, a non-empty string or a list of non-empty strings", value)
+    for s in items:
+        check_text("SamplingParams.stop", s)
     return list(items)
 
 

@@ -76,6 +76,16 @@ _END_OF_TURN_TOKENS = (
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def check_text(what: str, text: str) -> None:
+    """Raise ValueError unless ``text`` is valid Unicode: a lone surrogate (what undecodable
+    bytes become) can be neither encoded nor tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: character {e.start} "
+                         f"({text[e.start]!r}) is a lone surrogate") from None
+
+
 class Tokenizer:
     """Encode, decode, stream-decode and chat-format text for one model."""
 
