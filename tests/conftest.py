@@ -1,17 +1,71 @@
-"""Shared test setup.
+"""Shared test setup, and the course's switches.
 
 tiny_llm must be imported before mlx.core: it interposes OpenBLAS for MLX's CPU GEMM.
 Engine tests use tiny random models (``tiny_llm.testing.models``, built in-process, never
 downloaded) together with the real SmolLM2 tokenizer read from the installed GGUF file, so
 stop strings and streaming text behave as they do with a real model.
+
+Course options (the book's setup chapter):
+
+- ``--learner`` runs the tests on the learner's workspace (``workspace/``) where it has a
+  day's module, and on the reference elsewhere; ``--learner-workspace DIR`` names another
+  workspace. Same as ``TINY_LLM_LEARNER=1``.
+- ``--task 3.2`` keeps the tests of one course task (a test says which tasks it checks
+  with ``@pytest.mark.task("3.2")``); ``-k task_2`` does the same within a day's file.
 """
 
+import os
+
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
+from tiny_llm import learner
 from tiny_llm.testing.models import make_tiny_model
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
 import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("course")
+    group.addoption("--learner", action="store_true",
+                    help="run on the learner's workspace (workspace/) where it has a module")
+    group.addoption("--learner-workspace", default=None, metavar="DIR",
+                    help="run on this workspace instead of workspace/")
+    group.addoption("--task", action="append", default=[], metavar="ID",
+                    help="only the tests of course task ID (e.g. 3.2); repeatable")
+
+
+def pytest_configure(config):
+    # Before any test module imports a day's module: the switch decides where it comes from.
+    if config.getoption("learner_workspace"):
+        os.environ[learner.ENV] = config.getoption("learner_workspace")
+    elif config.getoption("--learner") and os.environ.get(learner.ENV, "0") == "0":
+        os.environ[learner.ENV] = "1"
+    config.addinivalue_line("markers", "task(*ids): the course tasks this test checks")
+
+
+def pytest_report_header(config):
+    ws = learner.workspace()
+    if ws is None:
+        return None
+    mine = learner.learner_modules()
+    kernels = (ws / "extensions").is_dir()
+    return (f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
+            f"{' and your extension' if kernels else ''}; the reference elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = set(config.getoption("--task"))
+    kept, dropped = [], []
+    for item in items:
+        ids = {i for m in item.iter_markers("task") for i in m.args}
+        for task_id in ids:
+            day, number = task_id.split(".")
+            item.extra_keyword_matches.update({f"task_{number}", f"task_{day}_{number}"})
+        (kept if not wanted or ids & wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
 CORE = {"model", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
-        "extension", "generate", "blas"}  # fmt: skip
-TOP = {"engine", "cli", "__init__"}
+        "extension", "generate", "blas", "learner"}  # fmt: skip
+TOP = {"engine", "cli", "course", "__init__"}
 DAY = re.compile(r"day(\d+)_")
 
 

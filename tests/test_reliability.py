@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 
-from tiny_llm.day3_paged_kv import BlockManager, ContinuousBatchingScheduler
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
@@ -438,27 +437,3 @@ def test_clear_errors_for_wrong_types_and_values(tiny_model, smollm_tokenizer):
     # A tuple of token ids is a prompt like a list.
     (out,) = engine.generate([(5, 6, 7)], greedy(2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
-
-
-# ---------------------------------------------------------------------------------------
-# Preemption evicts the newest running request, which re-queues at the front.
-
-
-def test_preemption_takes_the_newest_request_and_requeues_it_first():
-    # 5 pages of 4 tokens; three 4-token prompts take a page each; each needs a second page
-    # for its 5th token, and only two are left: the newest (admitted last) must go.
-    bm = BlockManager(num_blocks=5, block_size=4)
-    sim = ContinuousBatchingScheduler(max_batch=3, block_manager=bm)
-    old, middle, new = (sim.add_request(4, 3, [i] * 4) for i in range(3))
-    late = sim.add_request(4, 1, [9] * 4)  # waiting: behind the preempted one, not ahead
-    sim.step()  # prefill all three (12 tokens, 3 pages)
-    assert sim.scheduler.running == [old, middle, new]
-    sim.step()  # token 5 of each: 3 more pages wanted, 2 free
-    assert sim.scheduler.running == [old, middle]
-    assert list(sim.scheduler.waiting) == [new, late]
-    assert new.num_preemptions == 1 and new.num_computed_tokens == 0
-    assert old.num_preemptions == middle.num_preemptions == 0
-    sim.run()
-    assert all(len(r.output_token_ids) == r.output_len for r in (old, middle, new, late))
-    bm.check_invariants()
-    assert bm.num_free_blocks == 5

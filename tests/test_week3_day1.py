@@ -3,6 +3,11 @@
 The oracle is "a request served alone": ``stream_generate`` runs one request over a dense
 cache with no engine at all. Every request served inside a changing batch must produce
 exactly the same greedy tokens (float32).
+
+Engines here run Day 1's configuration (``DAY1``: dense per-request caches, prompts
+prefilled whole), so the file tests Day 1's code alone, whatever later days hold. Tests
+name the course tasks they check (``@pytest.mark.task``); a task's tests pass once it and
+the tasks before it are done.
 """
 
 import copy
@@ -10,15 +15,22 @@ import random
 
 from tiny_llm.day1_batching import (
     BatchingSimulator,
+    DenseSlots,
+    Scheduler,
+    SimRequest,
+    StepBudget,
     continuous_batching_steps,
     simulate_batching,
     static_batching_steps,
 )
 from tiny_llm.engine import LLMEngine
+from tiny_llm.request import RequestStatus
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
 import pytest
+
+DAY1 = dict(kv_cache="dense", enable_chunked_prefill=False)
 
 
 def alone(model, tokenizer, prompt_ids, params) -> tuple[list[int], str]:
@@ -42,18 +54,14 @@ def run_staggered(engine: LLMEngine, prompts, params, arrivals) -> dict[str, lis
     return {i: tokens[rid] for i, rid in ids.items()}
 
 
-@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+@pytest.mark.task("1.5", "1.6")
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_batch_invariance_against_request_served_alone(
-    tiny_model, smollm_tokenizer, policy, kv_cache
-):
+def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokenizer, policy):
     prompts = random_prompts(13, seed=1)
     rng = random.Random(2)
     params = [greedy(rng.randint(3, 14)) for _ in prompts]
     arrivals = [rng.randint(0, 12) for _ in prompts]
-    engine = LLMEngine(
-        tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy, kv_cache=kv_cache
-    )
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy, **DAY1)
     got = run_staggered(engine, prompts, params, arrivals)
     for i, prompt in enumerate(prompts):
         expected, _ = alone(tiny_model, smollm_tokenizer, prompt, params[i])
@@ -61,10 +69,11 @@ def test_batch_invariance_against_request_served_alone(
     assert engine.stats()["num_steps"] > 0
 
 
+@pytest.mark.task("1.2", "1.5")
 def test_more_requests_than_slots_all_complete_and_slots_are_reused(
     tiny_model, smollm_tokenizer
 ):
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, kv_cache="dense")
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, **DAY1)
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(4)) for p in random_prompts(10, 3)]
     finished, slots_used, max_live = set(), set(), 0
     while engine.has_unfinished_requests():
@@ -89,7 +98,7 @@ def test_stop_string_across_token_boundary_is_excluded(tiny_model, smollm_tokeni
         if len(pieces[i]) > len(pieces[i - 1]) and len(pieces[i + 1]) > len(pieces[i])
     )
     stop = pieces[k][-1] + pieces[k + 1][len(pieces[k])]
-    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **DAY1)
     other = engine.add_request({"prompt_token_ids": random_prompts(1, 5)[0]}, greedy(30))
     out = engine.generate({"prompt_token_ids": prompt}, greedy(24, stop=[stop]))[0]
     cut = text.find(stop)
@@ -103,7 +112,7 @@ def test_streamed_text_concatenates_to_final_text(tiny_model, smollm_tokenizer):
     prompt = random_prompts(1, 6)[0]
     _, text = alone(tiny_model, smollm_tokenizer, prompt, greedy(20))
     stop = text[7:10]
-    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **DAY1)
     outs = list(engine.stream({"prompt_token_ids": prompt}, greedy(20, stop=[stop])))
     final = outs[-1].outputs[0].text
     assert "".join(o.text_delta for o in outs) == final == text[: text.find(stop)]
@@ -114,13 +123,13 @@ def test_stop_token_ids_eos_and_ignore_eos(tiny_model, smollm_tokenizer):
     tokens, _ = alone(tiny_model, smollm_tokenizer, prompt, greedy(12))
     target = tokens[5]
     first = tokens.index(target)
-    engine = LLMEngine(tiny_model, smollm_tokenizer)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **DAY1)
     out = engine.generate({"prompt_token_ids": prompt}, greedy(12, stop_token_ids=[target]))[0]
     assert out.finish_reason == "stop" and out.outputs[0].token_ids == tokens[: first + 1]
 
     tokenizer = copy.copy(smollm_tokenizer)
     tokenizer.eos_token_ids = {target}
-    engine = LLMEngine(tiny_model, tokenizer)
+    engine = LLMEngine(tiny_model, tokenizer, **DAY1)
     eos = SamplingParams(temperature=0.0, max_tokens=12)
     out = engine.generate({"prompt_token_ids": prompt}, eos)[0]
     assert out.finish_reason == "stop" and out.outputs[0].token_ids == tokens[: first + 1]
@@ -130,7 +139,7 @@ def test_stop_token_ids_eos_and_ignore_eos(tiny_model, smollm_tokenizer):
 
 def test_max_tokens_and_max_model_len(tiny_model, smollm_tokenizer):
     prompt = random_prompts(1, 8, lo=10, hi=10)[0]
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=16)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=16, **DAY1)
     by_tokens, by_len = engine.generate(
         [{"prompt_token_ids": prompt[:5]}, {"prompt_token_ids": prompt}], greedy(9)
     )
@@ -139,9 +148,10 @@ def test_max_tokens_and_max_model_len(tiny_model, smollm_tokenizer):
     assert len(prompt) + len(by_len.outputs[0].token_ids) == 16
 
 
+@pytest.mark.task("1.3")
 def test_abort_mid_flight_frees_resources_and_spares_others(tiny_model, smollm_tokenizer):
     prompts = random_prompts(3, 9)
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, kv_cache="dense")
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, **DAY1)
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(10)) for p in prompts]
     for _ in range(3):
         engine.step()
@@ -164,7 +174,7 @@ def test_abort_mid_flight_frees_resources_and_spares_others(tiny_model, smollm_t
 
 def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, smollm_tokenizer):
     prompt = random_prompts(1, 10)[0]
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=64)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_model_len=64, **DAY1)
     good = engine.add_request({"prompt_token_ids": prompt}, greedy(8), request_id="good")
     engine.step()
     vocab = tiny_model.config.vocab_size
@@ -206,7 +216,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):
     prompt = random_prompts(1, 11)[0]
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     expected, _ = alone(tiny_model, smollm_tokenizer, prompt, seeded)
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **DAY1)
     others = [
         SamplingParams(temperature=1.0, seed=7, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.5, top_k=20, max_tokens=15, ignore_eos=True),
@@ -220,6 +230,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):
     assert len(out.outputs[0].token_ids) == 12
 
 
+@pytest.mark.task("1.4", "1.7")
 def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tokenizer):
     # One long request among short ones, four slots, all arriving at once.
     lens = [30, 3, 3, 3, 3, 3, 3, 3]
@@ -234,12 +245,14 @@ def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tok
     assert simulate_batching(lens, 4, "continuous") == continuous
 
     for policy, stats in (("static", static), ("continuous", continuous)):
-        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy)
+        engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, scheduler=policy,
+                           **DAY1)
         engine.generate([{"prompt_token_ids": [100 + i]} for i in range(8)],
                         [greedy(n) for n in lens], use_tqdm=False)
         assert engine.stats()["num_steps"] == stats.steps
 
 
+@pytest.mark.task("1.5")
 def test_model_free_scheduler_admits_and_retires_in_flight():
     sim = BatchingSimulator(max_batch=2)
     a, b, c = sim.add_request(4, 2), sim.add_request(1, 5), sim.add_request(2, 1)
@@ -269,6 +282,7 @@ def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
     assert released == "ok " and req.output_text == "ok " and req.finish_reason == "stop"
 
 
+@pytest.mark.task("1.7")
 @pytest.mark.parametrize("seed", range(20))
 def test_step_arithmetic_equals_the_scheduler(seed):
     """The closed forms of the chapter (a static batch lasts as long as its longest request;
@@ -280,3 +294,72 @@ def test_step_arithmetic_equals_the_scheduler(seed):
     for policy, closed_form in (("static", static_batching_steps),
                                 ("continuous", continuous_batching_steps)):
         assert closed_form(lens, max_batch) == simulate_batching(lens, max_batch, policy), policy
+
+
+# ---------------------------------------------------------------------------------------
+# The pieces, one at a time (each task's own tests).
+
+
+@pytest.mark.task("1.1")
+def test_step_budget_grants_decodes_and_whole_prompts_only():
+    budget = StepBudget(10)
+    assert [budget.take_decode() for _ in range(3)] == [True] * 3 and budget.left == 7
+    assert budget.take_prefill(8) == 0 and budget.left == 7  # whole or not at all
+    assert budget.take_prefill(7) == 7 and budget.left == 0
+    assert budget.take_decode() is False and budget.take_prefill(1) == 0
+    budget.give_back(4)
+    assert budget.take_prefill(4) == 4
+
+
+@pytest.mark.task("1.2")
+def test_dense_slots_are_taken_once_and_reused():
+    slots = DenseSlots(num_slots=2, num_layers=1)
+    a, b, c = SimRequest(0, 3, 1), SimRequest(1, 3, 1), SimRequest(2, 3, 1)
+    assert slots.allocate(a, 3) and slots.allocate(a, 4)  # the same request: one slot
+    assert slots.allocate(b, 3)
+    assert sorted(slots.slot_of.values()) == [0, 1] and slots.free_slots == []
+    slot_a = slots.slot_of[a]
+    slots.free(a)
+    slots.free(a)  # freeing twice changes nothing
+    assert slots.free_slots == [slot_a]
+    assert slots.allocate(c, 3) and slots.slot_of[c] == slot_a  # reused at once
+    assert slots.layout([]) == {"caches": []}
+
+
+@pytest.mark.task("1.3")
+def test_finish_step_records_computed_tokens_and_retire_frees():
+    from tiny_llm.step import ScheduledChunk
+
+    kv = DenseSlots(num_slots=2, num_layers=1)
+    scheduler = Scheduler(2, 64, kv=kv)
+    a, b = SimRequest(0, 5, 2), SimRequest(1, 3, 2)
+    scheduler.running = [a, b]
+    kv.allocate(a, 5)
+    kv.allocate(b, 3)
+    scheduler.finish_step([ScheduledChunk(a, 0, 5), ScheduledChunk(b, 0, 2)])
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 2)
+    scheduler.retire(a)
+    assert scheduler.running == [b] and a.status == RequestStatus.FINISHED
+    assert a not in kv.slot_of and len(kv.free_slots) == 1
+    scheduler.waiting.append(a)  # retire also takes a request out of the waiting queue
+    scheduler.retire(a)
+    assert not scheduler.waiting
+
+
+@pytest.mark.task("1.4")
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_admission_fills_free_slots_in_order_within_the_budget(policy):
+    scheduler = Scheduler(max_num_seqs=3, max_num_batched_tokens=10, policy=policy)
+    reqs = [SimRequest(i, n, 1) for i, n in enumerate([4, 5, 2, 1])]
+    for r in reqs:
+        scheduler.add(r)
+    plan: dict = {}
+    scheduler.admit(plan, StepBudget(10))
+    # 4 + 5 fit; 2 more would exceed 10 tokens: nobody overtakes the head of the queue.
+    assert plan == {reqs[0]: 4, reqs[1]: 5} and scheduler.running == reqs[:2]
+    assert list(scheduler.waiting) == reqs[2:]
+    assert all(r.status == RequestStatus.RUNNING for r in reqs[:2])
+    # Static admits only into an empty batch; continuous whenever a slot is free.
+    assert scheduler.may_admit() == (policy == "continuous")
+    scheduler.running = []
+    assert scheduler.may_admit()

@@ -18,16 +18,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 PAGED = dict(kv_cache="paged", attention="gather")  # Day 3: attention gathers from the pages
+DENSE = dict(kv_cache="dense")  # the oracle: Days 1-2
 
 
+@pytest.mark.task("3.1")
 def test_block_math():
     assert blocks_needed(8, 4) == 2
     assert [blocks_needed(n, 4) for n in (0, 1, 3, 4, 5, 9)] == [0, 1, 1, 1, 2, 3]
+
+
+@pytest.mark.task("3.2")
+def test_fragmentation():
     frag = kv_cache_blocks_fragmentation([5, 16, 17], block_size=16, max_len=64)
     assert (frag.paged_total_slots, frag.paged_wasted_slots) == (16 + 16 + 32, 64 - 38)
     assert (frag.dense_total_slots, frag.dense_wasted_slots) == (3 * 64, 3 * 64 - 38)
 
 
+@pytest.mark.task("3.3")
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_append_allocates_a_page_only_when_the_tail_is_full(block_size):
     bm = BlockManager(num_blocks=64, block_size=block_size)
@@ -38,10 +45,9 @@ def test_append_allocates_a_page_only_when_the_tail_is_full(block_size):
         grew = free_before - bm.num_free_blocks
         assert grew == (1 if (n - 1) % block_size == 0 else 0), f"token {n}"
         assert len(table) == blocks_needed(n, block_size)
-    bm.free("s")
-    assert bm.num_free_blocks == 64
 
 
+@pytest.mark.task("3.3")
 def test_out_of_memory_returns_none_and_changes_nothing():
     bm = BlockManager(num_blocks=3, block_size=4)
     assert bm.allocate("a", 8) is not None and bm.num_free_blocks == 1
@@ -53,6 +59,7 @@ def test_out_of_memory_returns_none_and_changes_nothing():
     bm.check_invariants()
 
 
+@pytest.mark.task("3.5")
 def test_prefix_pages_are_shared_and_survive_other_holders():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     prompt = list(range(10))  # two full pages + 2 tokens
@@ -75,6 +82,7 @@ def test_prefix_pages_are_shared_and_survive_other_holders():
     bm.check_invariants()
 
 
+@pytest.mark.task("3.5")
 def test_hash_collision_cannot_alias_a_prefix():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     bm.allocate("a", 2)
@@ -85,6 +93,7 @@ def test_hash_collision_cannot_alias_a_prefix():
     assert bm.match_prefix([1, 2, 3]) == []
 
 
+@pytest.mark.task("3.7")
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
@@ -132,9 +141,10 @@ def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size,
         assert abort or len(req.output_token_ids) == req.output_len
 
 
+@pytest.mark.task("3.6")
 def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
     prompts, params = workload(10, seed=1)
-    dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4)
+    dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **DENSE)
     paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **PAGED,
                       page_size=4, num_pages=256, max_num_batched_tokens=32)
     assert tokens_of(paged, prompts, params) == tokens_of(dense, prompts, params)
@@ -143,9 +153,11 @@ def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
     assert paged.stats()["num_free_pages"] == 256
 
 
+@pytest.mark.task("3.7")
 def test_small_pool_preempts_and_still_matches_dense(tiny_model, smollm_tokenizer):
     prompts, params = workload(10, seed=2)
-    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4), prompts, params)
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **DENSE),
+                         prompts, params)
     paged = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **PAGED,
                       page_size=4, num_pages=18, max_model_len=72, enable_prefix_caching=False)
     assert tokens_of(paged, prompts, params) == expected
@@ -154,6 +166,7 @@ def test_small_pool_preempts_and_still_matches_dense(tiny_model, smollm_tokenize
     assert stats["num_free_pages"] == 18
 
 
+@pytest.mark.task("3.5")
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokenizer, page_size):
     prompts, params = workload(8, seed=3, shared_prefix=37)
@@ -163,7 +176,8 @@ def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokeni
                            page_size=page_size, num_pages=128, enable_prefix_caching=caching)
         results.append(tokens_of(engine, prompts, params))
         stats.append(engine.stats())
-    dense = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2), prompts, params)
+    dense = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2, **DENSE), prompts,
+                      params)
     assert results[0] == results[1] == dense
     assert stats[0]["prefix_cache_hit_tokens"] == 0
     assert stats[1]["prefix_cache_hit_tokens"] >= 6 * (37 // page_size) * page_size
@@ -188,10 +202,11 @@ def test_request_that_can_never_fit_is_rejected(tiny_model, smollm_tokenizer):
     assert running not in engine.requests
 
 
+@pytest.mark.task("3.4", "3.5")
 def test_abort_of_a_prefix_sharer_leaves_the_other_intact(tiny_model, smollm_tokenizer):
     prefix = list(range(300, 340))
     a, b = {"prompt_token_ids": prefix + [1, 2]}, {"prompt_token_ids": prefix + [3]}
-    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer), [b], [greedy(10)])[0]
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, **DENSE), [b], [greedy(10)])[0]
     engine = LLMEngine(tiny_model, smollm_tokenizer, **PAGED, page_size=8, num_pages=64)
     ida = engine.add_request(a, greedy(30))
     engine.step()  # a's prompt pages are computed and cached
@@ -220,6 +235,7 @@ def test_pool_is_sized_from_the_memory_budget_and_logged(tiny_model, smollm_toke
         LLMEngine(tiny_model, smollm_tokenizer, **PAGED, kv_memory_bytes=10)
 
 
+@pytest.mark.task("3.5")
 def test_a_private_duplicate_page_keeps_its_sequence_hash_chain():
     """Two sequences fill identical first pages; only one copy is cached. The second
     sequence's later pages must still chain through the first page's digest, or its page
@@ -234,3 +250,53 @@ def test_a_private_duplicate_page_keeps_its_sequence_hash_chain():
     bm.cache_full_blocks("b", shared + tail, done, chain)
     assert bm.match_prefix(tail + [9]) == []  # [3, 4] was never a first page
     assert bm.match_prefix(shared + tail + [9]) == [bm.tables["a"][0], bm.tables["b"][1]]
+
+
+@pytest.mark.task("3.4")
+def test_free_returns_pages_when_no_table_holds_them_and_reuses_the_oldest_first():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = bm.allocate("a", 8)  # pages for 2 x 4 tokens
+    bm.allocate("b", 4)
+    assert bm.num_free_blocks == 3
+    bm.blocks[a[0]].ref_count += 1  # as if another table shared a's first page
+    bm.tables["c"], bm.lengths["c"] = [a[0]], 4
+    bm.free("a")
+    assert bm.num_free_blocks == 4  # a's second page came back; the shared one did not
+    bm.free("c")
+    bm.free("b")
+    assert bm.num_free_blocks == 6 and not bm.tables
+    bm.check_invariants()
+    # Freed pages are reused least recently freed first (a cached page lives longest).
+    order = list(bm.free_blocks)
+    assert bm.allocate("d", 4) == [order[0]]
+
+
+@pytest.mark.task("3.6")
+def test_slots_translate_positions_through_the_block_table():
+    from tiny_llm.day3_paged_kv import slots_for
+
+    table = [7, 2, 5]  # logical page j lives in physical page table[j]
+    assert slots_for(table, 0, 3, 4) == [28, 29, 30]
+    assert slots_for(table, 3, 9, 4) == [31, 8, 9, 10, 11, 20]
+    assert slots_for(table, 5, 5, 4) == []
+
+
+@pytest.mark.task("3.7")
+def test_preemption_takes_the_newest_request_and_requeues_it_first():
+    # 5 pages of 4 tokens; three 4-token prompts take a page each; each needs a second page
+    # for its 5th token, and only two are left: the newest (admitted last) must go.
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sim = ContinuousBatchingScheduler(max_batch=3, block_manager=bm)
+    old, middle, new = (sim.add_request(4, 3, [i] * 4) for i in range(3))
+    late = sim.add_request(4, 1, [9] * 4)  # waiting: behind the preempted one, not ahead
+    sim.step()  # prefill all three (12 tokens, 3 pages)
+    assert sim.scheduler.running == [old, middle, new]
+    sim.step()  # token 5 of each: 3 more pages wanted, 2 free
+    assert sim.scheduler.running == [old, middle]
+    assert list(sim.scheduler.waiting) == [new, late]
+    assert new.num_preemptions == 1 and new.num_computed_tokens == 0
+    assert old.num_preemptions == middle.num_preemptions == 0
+    sim.run()
+    assert all(len(r.output_token_ids) == r.output_len for r in (old, middle, new, late))
+    bm.check_invariants()
+    assert bm.num_free_blocks == 5

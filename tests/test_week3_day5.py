@@ -95,6 +95,7 @@ def run_rows(case: PagedCase, seq: int, first: int, count: int, row_offset: int 
 
 
 def bits(a: mx.array) -> np.ndarray:
+    mx.eval(a)  # a kernel's error surfaces through mx.eval, not through np.array (MLX 0.32)
     return np.array(a.astype(mx.float32))
 
 
@@ -130,6 +131,7 @@ GEOMETRIES = [
 ]
 
 
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("page_size,head_dim,n_heads,n_kv_heads", GEOMETRIES)
 def test_tiled_schedule_matches_dense_attention(dtype_name, page_size, head_dim, n_heads,
@@ -144,6 +146,7 @@ def test_tiled_schedule_matches_dense_attention(dtype_name, page_size, head_dim,
     assert_close(got, dense_oracle(case), dtype_name, case, "kernel vs dense oracle")
 
 
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name,page_size,head_dim,n_heads,n_kv_heads", [
     ("float32", 16, 64, 8, 2), ("float16", 8, 128, 8, 1), ("bfloat16", 32, 40, 4, 4)])
 def test_tiled_schedule_matches_the_reference_page_walk(dtype_name, page_size, head_dim,
@@ -171,6 +174,7 @@ def test_tiled_schedule_matches_the_reference_page_walk(dtype_name, page_size, h
 # The schedule's Python side: which rows take which schedule, and the tiled reference walk.
 
 
+@pytest.mark.task("5.1")
 def test_flash_schedule_covers_every_row_once_in_tiles_of_the_kernel_height():
     qsl = [0, 1, 38, 39, 55, 56, 57, 157]  # decode, 37 rows, decode, 16, decode, decode, 100
     for height in (1, 7, 16, 21):
@@ -194,6 +198,7 @@ def test_tile_heights_are_the_kernels():
     assert [tile_rows(mx.gpu, g) for g in (1, 3, 4, 5, 8)] == [64, 21, 16, 12, 8]
 
 
+@pytest.mark.task("5.1", "5.2")
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("page_size,head_dim,n_heads,n_kv_heads", GEOMETRIES[::2])
 @pytest.mark.parametrize("height", [1, 5, 16])
@@ -206,6 +211,7 @@ def test_tiled_reference_walk_matches_dense_attention(dtype_name, page_size, hea
     assert_close(got, dense_oracle(case), dtype_name, case, "tiled reference vs dense oracle")
 
 
+@pytest.mark.task("5.2", "5.3")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_kernel_tiles_match_the_tiled_reference_walk(dtype_name):
     """The C++ tiles against the MLX-op tiles of the same height: equal within one ulp."""
@@ -230,6 +236,7 @@ def on_cpu():
     mx.set_default_device(device)
 
 
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, on_cpu):
     """One call, one-token rows (vector schedule) between multi-token rows (tiled)."""
@@ -247,6 +254,7 @@ def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, on_cpu):
             f"sequence {b} (query {L}) differs alone and in the mixed batch")
 
 
+@pytest.mark.task("5.3")
 def test_tiles_of_one_row_give_the_same_bits_as_tiles(on_cpu):
     """Day 4's kernel (the vector schedule for every row) and Day 5's (tiles for multi-token
     queries) fold each row's pages through one routine: tiling changes the memory traffic,
@@ -261,6 +269,7 @@ def test_tiles_of_one_row_give_the_same_bits_as_tiles(on_cpu):
 # Schedule invariance: bit-identical rows whatever schedule, tile or chunk computes them.
 
 
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("prefix", [0, 21, 32])
 def test_a_row_has_the_same_bits_in_any_schedule(dtype_name, prefix, on_cpu):
@@ -300,6 +309,7 @@ def dense_logits(model, tokens: list[int], rows: list[int]) -> mx.array:
     return out
 
 
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("chunk,page_size", [(5, 16), (16, 16), (37, 8)])
 def test_chunked_prefill_through_the_flash_schedule_equals_one_shot_dense(
         tiny_model, smollm_tokenizer, chunk, page_size):
@@ -359,7 +369,9 @@ def mixed_workload(seed: int = 0):
 FINAL = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=8, num_pages=24)
 
 
-@pytest.mark.parametrize("attention", ["flash", "flash_reference"])
+@pytest.mark.parametrize("attention", [pytest.param("flash", marks=pytest.mark.task("5.3")),
+                                       pytest.param("flash_reference",
+                                                    marks=pytest.mark.task("5.1", "5.2"))])
 def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, attention):
     prompts, params = mixed_workload()
     dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="dense",

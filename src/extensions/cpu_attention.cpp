@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -21,6 +22,7 @@ namespace {
 // or on how the prompt was chunked.
 inline void fold_page(const float* qrow, const float* k, const float* v, int64_t stride, int n,
                       int D, float* score, float& m, float& l, float* acc) {
+  // TASK 4.3: fold_page — Folding a page into the online softmax
   float page_max = -FLT_MAX;
   for (int t = 0; t < n; ++t) {
     const float* krow = k + t * stride;
@@ -42,6 +44,7 @@ inline void fold_page(const float* qrow, const float* k, const float* v, int64_t
 #pragma omp simd
     for (int d = 0; d < D; ++d) acc[d] += p * vrow[d];
   }
+  // END TASK
 }
 // ANCHOR_END: cpu_page_update
 
@@ -75,6 +78,7 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
   std::fill(m, m + R, -FLT_MAX);
   // ANCHOR: cpu_tile_walk
   const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
+  // TASK 4.2: attend_rows, the page walk — The vector schedule on the CPU
   for (int start = 0, j = 0; start < num_keys; start += ps, ++j) {
     const int n = std::min(ps, num_keys - start);
     // Address translation: logical page j of this sequence is physical page table[j].
@@ -101,6 +105,7 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
       }
     }
   }
+  // END TASK
   // ANCHOR_END: cpu_tile_walk
   for (int r = 0; r < rows; ++r)
     for (int gi = 0; gi < G; ++gi) {
@@ -110,24 +115,44 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
     }
 }
 
+// A work item's rows: `rows` consecutive query rows of sequence `seq`, from flat row `row`.
+struct Tile {
+  int seq, row, rows;
+};
+
+// Day 4: every query row is its own work item (the vector schedule), even the rows of a
+// multi-token query: each walks the pages of its own causal range.
+std::vector<Tile> row_items(const int32_t* qsl, int num_seqs) {
+  std::vector<Tile> items;
+  for (int b = 0; b < num_seqs; ++b)
+    for (int r = qsl[b]; r < qsl[b + 1]; ++r) items.push_back({b, r, 1});
+  return items;
+}
+
+// Day 5: consecutive rows of a sequence share a tile of up to `tile` rows, which reads
+// each page once for all of them; a decode row is a tile of one.
+std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
+  std::vector<Tile> items;
+  // TASK 5.3: tile_items — Tiles on the CPU
+  for (int b = 0; b < num_seqs; ++b)
+    for (int r = qsl[b]; r < qsl[b + 1]; r += tile)
+      items.push_back({b, r, std::min(tile, qsl[b + 1] - r)});
+  // END TASK
+  return items;
+}
+
 }  // namespace
 
-// Work items: one per (query tile, KV head), a tile being up to g.query_tile consecutive
-// rows of one sequence (a decode row is a tile of one); each walks only its own
-// sequence's block table.
+// Work items: one per (tile of query rows, KV head); each walks only its own sequence's
+// block table. Tiles of one row are the vector schedule.
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
                          const CpuAttentionShape& g) {
-  struct Tile { int seq, row, rows; };
-  std::vector<Tile> tiles;
-  double keys = 0;
-  for (int b = 0; b < g.num_seqs; ++b) {
-    const int len = qsl[b + 1] - qsl[b];
-    for (int r = qsl[b]; r < qsl[b + 1]; r += g.query_tile)
-      tiles.push_back({b, r, std::min(g.query_tile, qsl[b + 1] - r)});
-    keys += double(context_lens[b]) * len;
-  }
+  const std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
+                                                   : row_items(qsl, g.num_seqs);
+  double keys = 0;  // (query row, key) pairs, to size the job for the worker pool
+  for (int b = 0; b < g.num_seqs; ++b) keys += double(context_lens[b]) * (qsl[b + 1] - qsl[b]);
   const int G = g.n_heads / g.n_kv_heads;
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
   const int items = static_cast<int>(tiles.size()) * g.n_kv_heads;

@@ -11,7 +11,7 @@
 
 namespace tiny_llm {
 
-// Rows per query tile of the tiled schedule; 1 makes every row a vector-schedule item.
+// Rows per query tile of the tiled schedule (query_tile 1: every row alone, Day 4).
 constexpr int kCpuQueryTile = 16;
 
 struct CpuAttentionShape {

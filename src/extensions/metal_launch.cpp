@@ -146,6 +146,12 @@ MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_page
 // ANCHOR_END: metal_plan
 
 std::vector<mx::array> launch_metal(const MetalLaunchPlan& plan, mx::Stream stream) {
+  // A course stub (a learner's unfinished task) must not reach the GPU: say which task.
+  const std::string stub = "TINY_LLM_TASK_STUB(\"";
+  if (const auto at = plan.header.find(stub); at != std::string::npos) {
+    const auto from = at + stub.size();
+    throw std::runtime_error(plan.header.substr(from, plan.header.find('"', from) - from));
+  }
   // One JIT function per kernel (its source is fixed); MLX caches the compiled library.
   static std::mutex mutex;
   static std::map<std::string, mx::fast::CustomKernelFunction> kernels;

@@ -1,9 +1,11 @@
-"""``tiny-llm chat`` and ``tiny-llm generate``: the engine from a terminal.
+"""``tiny-llm chat``, ``generate`` and ``course``: the engine and the course from a terminal.
 
-Both commands run the serving engine (``LLMEngine``); every engine option is a flag
-(``--kv-cache dense``, ``--attention reference``, ``--num-pages 64``, ...), so each
-chapter's configuration can be tried by hand. ``generate`` prints only the generated text
-on stdout (progress and load messages go to stderr), so it composes with pipes. ``chat``
+Both ``chat`` and ``generate`` run the serving engine (``LLMEngine``); every engine option
+is a flag (``--kv-cache dense``, ``--attention reference``, ``--num-pages 64``, ...), so
+each chapter's configuration can be tried by hand, and ``--learner`` runs the engine on
+the learner's own modules (``tiny-llm course``: start a day, see what passes).
+``generate`` prints only the generated text on stdout (progress and load messages go to
+stderr), so it composes with pipes. ``chat``
 keeps the conversation, streams each reply, and treats Ctrl-C as "stop this reply" (the
 request is aborted), not "quit"; a line it cannot use (invalid UTF-8, a conversation too
 long) is reported and the conversation goes on.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import fields
@@ -26,6 +29,8 @@ ENGINE_FLAGS = [
     ("--max-num-seqs", "max_num_seqs", int, "requests that may run at once"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "the token budget of a step"),
     ("--max-model-len", "max_model_len", int, "prompt + output tokens per request"),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", int,
+     "most prefill tokens one request gets in a step"),
     ("--scheduler", "scheduler", str, "continuous (Day 1) or static"),
     ("--kv-cache", "kv_cache", str, "dense (Days 1-2) or paged (Day 3)"),
     ("--page-size", "page_size", int, "tokens per KV page"),
@@ -57,9 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                             action="store_false", default=None, help="never share pages")
         engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
+        p.add_argument("--learner", action="store_true",
+                       help="run on your workspace's modules (the course), else the reference")
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as-is")
+    course = sub.add_parser("course", help="the course: start a day, run its tests, status")
+    steps = course.add_subparsers(dest="action", required=True)
+    steps.add_parser("start", help="write a day's stubs into workspace/").add_argument(
+        "day", type=int)
+    steps.add_parser("tasks", help="list the tasks of the course")
+    steps.add_parser("status", help="pass / fail / not started, per task")
+    test = steps.add_parser("test", help="run a day's or a task's tests on your workspace")
+    test.add_argument("which", help="a day (3) or a task (3.2)")
     return parser
 
 
@@ -161,9 +176,59 @@ def stream_reply(engine, history: list[dict[str, str]], params: SamplingParams) 
 # ANCHOR_END: chat
 
 
+def run_course(args: argparse.Namespace) -> int:
+    from tiny_llm import course
+
+    if args.action == "start":
+        for line in course.start(args.day):
+            print(line)
+        chapter = course.CHAPTERS[args.day]
+        print(f"\nread '{chapter[1]}' (book/src/{chapter[0]}); check a task with\n"
+              f"  tiny-llm course test {args.day}.1    (or: .venv/bin/pytest "
+              f"tests/{chapter[2]} --learner -k task_1)")
+        return 0
+    if args.action == "tasks":
+        for task in course.tasks().values():
+            files = ", ".join(sorted({str(r.path) for r in task.regions}))
+            print(f"{task.id:>4}  {task.title}  [{files}]  — '{task.section}'")
+        return 0
+    if args.action == "test":
+        day = int(args.which.split(".")[0])
+        selected = ["--task", args.which] if "." in args.which else []
+        files = sorted({str(f) for t in course.tasks().values() if t.day == day and (
+            not selected or t.id == args.which) for f in course.test_files(t)})
+        cmd = [sys.executable, "-m", "pytest", *files, "--learner", *selected]
+        return subprocess.call(cmd, cwd=course.TESTS.parent)
+    for path in course.reference_edits():
+        print(f"note: the reference file src/{path} has changed since the last commit; your "
+              "work belongs in workspace/ (git diff shows what changed)", file=sys.stderr)
+    results = course.status()
+    day = None
+    for task, result in results:
+        if task.day != day:
+            day = task.day
+            print(f"\n{course.CHAPTERS[day][1]}")
+        print(f"  {task.id:>4}  {result:<12} {task.title}")
+    todo = next(((t, r) for t, r in results if r == "fail"), None) or next(
+        ((t, r) for t, r in results if r == "not started"), None)
+    if todo is None:
+        print("\nevery task passes")
+    else:
+        task, result = todo
+        verb = "start it with `tiny-llm course start " + str(task.day) + "`; " if (
+            result == "not started") else ""
+        print(f"\nnext: Task {task.id} — {verb}read '{task.section}' in "
+              f"book/src/{task.chapter}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "course":
+            return run_course(args)
+        if args.learner:
+            os.environ.setdefault("TINY_LLM_LEARNER", "1")  # before any day is imported
         if args.command == "generate":
             return run_generate(args)
         return run_chat(args)

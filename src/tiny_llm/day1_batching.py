@@ -68,17 +68,21 @@ class StepBudget:
         self.left = max_num_batched_tokens
 
     def take_decode(self) -> bool:
+        # TASK 1.1: StepBudget — The step budget
         if self.left == 0:
             return False
         self.left -= 1
         return True
+        # END TASK
 
     def take_prefill(self, needed: int) -> int:
         """Tokens granted to a request that needs ``needed`` more (0: none this step)."""
+        # TASK 1.1: StepBudget — The step budget
         if needed > self.left:
             return 0
         self.left -= needed
         return needed
+        # END TASK
 
     def give_back(self, tokens: int) -> None:
         """Return tokens that were granted but not scheduled (no KV room, preemption)."""
@@ -108,6 +112,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """This step's work: a chunk per request that computes tokens, running ones first."""
+        # TASK 1.5: Scheduler.schedule — One step of the scheduler
         budget = self.new_budget()
         plan: dict = {}  # request -> tokens this step, in scheduling order
         for req in self.running_order():
@@ -125,8 +130,10 @@ class Scheduler:
             self.admit(plan, budget)
         return [ScheduledChunk(r, r.num_computed_tokens, r.num_computed_tokens + n)
                 for r, n in plan.items()]
+        # END TASK
 
     def admit(self, plan: dict, budget: StepBudget) -> None:
+        # TASK 1.4: Scheduler.admit — Admission: continuous and static
         while self.waiting and len(self.running) < self.max_num_seqs and budget.left:
             req = self.waiting[0]
             n = self.try_admit(req, budget)
@@ -136,20 +143,25 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan[req] = n
+        # END TASK
 
     def finish_step(self, chunks: list[ScheduledChunk]) -> None:
         """The step's forward succeeded: its chunks' K/V is stored."""
+        # TASK 1.3: Scheduler.finish_step and retire — After the forward
         for chunk in chunks:
             chunk.request.num_computed_tokens = chunk.end
+        # END TASK
 
     def retire(self, req) -> None:
         """Remove a finished (or aborted) request and free its slot and K/V at once."""
+        # TASK 1.3: Scheduler.finish_step and retire — After the forward
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+        # END TASK
 # ANCHOR_END: scheduler
 
     # Hooks that later days override.
@@ -162,7 +174,9 @@ class Scheduler:
         return list(self.running)
 
     def may_admit(self) -> bool:
+        # TASK 1.4: Scheduler.admit — Admission: continuous and static
         return self.policy == "continuous" or not self.running
+        # END TASK
 
     def try_admit(self, req, budget: StepBudget) -> int:
         """Tokens of its prompt that ``req`` computes if admitted now; 0 leaves it waiting."""
@@ -203,15 +217,19 @@ class DenseSlots(UnboundedKV):
         self.slot_of: dict[Any, int] = {}
 
     def allocate(self, request, num_tokens: int) -> bool:
+        # TASK 1.2: DenseSlots — Slots and their caches
         if request not in self.slot_of:
             self.slot_of[request] = self.free_slots.pop()
         return True
+        # END TASK
 
     def free(self, request) -> None:
+        # TASK 1.2: DenseSlots — Slots and their caches
         slot = self.slot_of.pop(request, None)
         if slot is not None:
             self.caches[slot].reset()
             self.free_slots.append(slot)
+        # END TASK
 
     def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
         return {"caches": [self.caches[self.slot_of[c.request]] for c in chunks]}
@@ -245,12 +263,14 @@ class DenseAttention:
         self.step = step
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        # TASK 1.6: DenseAttention.attend — Attention over a flat batch
         step = self.step
         qsl, outs = step.query_start_loc, []
         for b, (chunk, cache) in enumerate(zip(step.chunks, step.kv["caches"], strict=True)):
             lo, hi = qsl[b], qsl[b + 1]
             outs.append(cache.attend_at(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale, chunk.start))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        # END TASK
 
     def state(self) -> list[mx.array]:
         return [a for c in self.kv.caches for a in c.keys + c.values if a is not None]
@@ -360,17 +380,21 @@ def static_batching_steps(output_lens: list[int], max_batch: int) -> BatchingSta
     """Steps to serve requests that generate ``output_lens`` tokens (one per step, all
     arriving at once) in static batches of ``max_batch``: a batch takes as long as its
     longest request, and the next batch starts only when it is done."""
+    # TASK 1.7: static_batching_steps and continuous_batching_steps — The arithmetic of batching
     steps = sum(max(output_lens[i : i + max_batch]) for i in range(0, len(output_lens), max_batch))
     return BatchingStats(steps, steps * max_batch - sum(output_lens))
+    # END TASK
 
 
 def continuous_batching_steps(output_lens: list[int], max_batch: int) -> BatchingStats:
     """The same with continuous batching: a slot takes the next request in line as soon as
     its request finishes. Each slot is a queue; the last one to empty ends the run."""
+    # TASK 1.7: static_batching_steps and continuous_batching_steps — The arithmetic of batching
     slots_free_at = [0] * min(max_batch, len(output_lens))  # step at which each slot frees
     for n in output_lens:
         start = heapq.heappop(slots_free_at)
         heapq.heappush(slots_free_at, start + n)
     steps = max(slots_free_at, default=0)
     return BatchingStats(steps, steps * max_batch - sum(output_lens))
+    # END TASK
 # ANCHOR_END: arithmetic

@@ -53,7 +53,9 @@ log = logging.getLogger("tiny_llm")
 # ANCHOR: block_math
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Pages for ``num_tokens`` tokens: ceiling division."""
+    # TASK 3.1: blocks_needed — Pages
     return -(-num_tokens // block_size)
+    # END TASK
 
 
 @dataclass
@@ -76,11 +78,13 @@ def kv_cache_blocks_fragmentation(
     seq_lens: Sequence[int], block_size: int, max_len: int | None = None
 ) -> Fragmentation:
     """Slots wasted by paging (tail pages) vs by reserving ``max_len`` per sequence."""
+    # TASK 3.2: kv_cache_blocks_fragmentation — Fragmentation
     max_len = max(seq_lens, default=0) if max_len is None else max_len
     paged = sum(blocks_needed(n, block_size) * block_size for n in seq_lens)
     dense = max_len * len(seq_lens)
     used = sum(seq_lens)
     return Fragmentation(paged - used, paged, dense - used, dense)
+    # END TASK
 # ANCHOR_END: block_math
 
 
@@ -142,6 +146,7 @@ class BlockManager:
 
     def grow(self, seq_id: object, num_tokens: int) -> list[int] | None:
         """Room for ``num_tokens`` more tokens, all or nothing; None if the pool is full."""
+        # TASK 3.3: BlockManager.grow — Growing a sequence
         table = self.tables[seq_id]
         new_len = self.lengths[seq_id] + num_tokens
         missing = blocks_needed(new_len, self.block_size) - len(table)
@@ -150,16 +155,20 @@ class BlockManager:
         table.extend(self._take_free_block() for _ in range(missing))
         self.lengths[seq_id] = new_len
         return table
+        # END TASK
 
     def free(self, seq_id: object) -> None:
+        # TASK 3.4: BlockManager.free — Freeing and reusing pages
         for block_id in reversed(self.tables.pop(seq_id, [])):  # tail pages evicted first
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
         self.lengths.pop(seq_id, None)
+        # END TASK
 
     def _take_free_block(self) -> int:
+        # TASK 3.4: BlockManager.free — Freeing and reusing pages
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict the cached page this one held
@@ -167,11 +176,13 @@ class BlockManager:
             block.hash = block.token_ids = None
         block.ref_count = 1
         return block_id
+        # END TASK
 # ANCHOR_END: block_manager
 
     # ANCHOR: prefix_caching
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached pages holding a prefix of ``token_ids``, excluding the last token."""
+        # TASK 3.5: BlockManager.match_prefix — Prefix caching
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
@@ -185,6 +196,7 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+        # END TASK
 
     def attach_prefix(self, seq_id: object, block_ids: list[int]) -> None:
         """Start ``seq_id``'s table with shared cached pages (reference counts go up)."""
@@ -330,6 +342,7 @@ class PagedScheduler(ChunkedPrefillScheduler):
     def make_room(self, req, num_tokens: int, plan: dict, budget) -> bool:
         """Allocate ``req``'s pages, preempting the newest running requests while the pool
         is full. Returns False when ``req`` itself had to go."""
+        # TASK 3.7: PagedScheduler.make_room and preempt — Preemption
         while not self.kv.allocate(req, num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
@@ -338,9 +351,11 @@ class PagedScheduler(ChunkedPrefillScheduler):
             if victim is req:
                 return False
         return True
+        # END TASK
 
     def preempt(self, req) -> None:
         """Recompute preemption: drop the K/V, requeue at the front, redo the work later."""
+        # TASK 3.7: PagedScheduler.make_room and preempt — Preemption
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -348,6 +363,7 @@ class PagedScheduler(ChunkedPrefillScheduler):
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        # END TASK
 
     def finish_step(self, chunks: list[ScheduledChunk]) -> None:
         super().finish_step(chunks)
@@ -404,7 +420,9 @@ class PagePool:
 # ANCHOR: slot_mapping
 def slots_for(table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
     """Pool rows of positions ``start .. end - 1`` (address translation)."""
+    # TASK 3.6: slots_for — Address translation
     return [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+    # END TASK
 # ANCHOR_END: slot_mapping
 
 

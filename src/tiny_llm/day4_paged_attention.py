@@ -167,6 +167,7 @@ def page_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: PageWalk,
               scale: float) -> mx.array:
     """Every query row reads page column j of its sequence per iteration and folds it into
     an online softmax. Never builds the whole context."""
+    # TASK 4.1: page_walk — The page walk in MLX ops
     T, n_heads, D = q.shape
     _, page_size, n_kv_heads, _ = k_pages.shape
     group = n_heads // n_kv_heads
@@ -190,6 +191,7 @@ def page_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: PageWalk,
         acc = acc * correction + mx.einsum("thgs,tshd->thgd", p, v)
         m = new_m
     return (acc / denom).reshape(T, n_heads, D).astype(q.dtype)
+    # END TASK
 
 
 def paged_attention_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,

@@ -55,6 +55,7 @@ class FlashSchedule:
 
 def flash_schedule(query_start_loc: list[int], tile_rows: int) -> FlashSchedule:
     """Which rows of a step take which schedule, as the kernels decide it."""
+    # TASK 5.1: flash_schedule — Which rows take tiles
     vector_rows, tiles = [], []
     for b in range(len(query_start_loc) - 1):
         lo, hi = query_start_loc[b], query_start_loc[b + 1]
@@ -64,6 +65,7 @@ def flash_schedule(query_start_loc: list[int], tile_rows: int) -> FlashSchedule:
         for first in range(lo, hi, tile_rows):
             tiles.append(QueryTile(b, first, min(tile_rows, hi - first)))
     return FlashSchedule(vector_rows, tiles)
+    # END TASK
 
 
 def tile_rows(device: mx.Device, group: int) -> int:
@@ -114,6 +116,7 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
               scale: float) -> mx.array:
     """Every tile reads page column j of its sequence once per iteration: the scores of
     its (row, head) pairs against the page are one matrix product per KV head."""
+    # TASK 5.2: tile_walk — The tiled walk in MLX ops
     _, n_heads, D = q.shape
     _, page_size, n_kv_heads, _ = k_pages.shape
     group = n_heads // n_kv_heads
@@ -150,6 +153,7 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
     result = mx.zeros((walk.num_rows, n_heads, D), dtype=mx.float32)
     result[mx.array(rows)] = out[mx.array(np.flatnonzero(valid))]
     return result.astype(q.dtype)
+    # END TASK
 
 
 def paged_flash_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,

@@ -97,6 +97,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default: the model's context length
     scheduler: str = "continuous"  # or "static", the Day 1 baseline
     enable_chunked_prefill: bool = True  # Day 2; off: a prompt is prefilled in one step
+    long_prefill_token_threshold: int | None = None  # Day 2: most tokens one prompt gets a step
     kv_cache: str = "paged"  # "dense": per-request caches (Days 1-2); "paged" (Day 3)
     page_size: int = 16  # tokens per KV page (paged)
     num_pages: int | None = None  # pool size in pages (paged) ...
@@ -109,7 +110,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             _check_int(name, getattr(self, name), 1)
-        for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1)):
+        for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1),
+                            ("long_prefill_token_threshold", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), least)
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
@@ -215,10 +217,12 @@ class LLMEngine:
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
         args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
+        chunking = dict(chunked=cfg.enable_chunked_prefill,
+                        long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         if cfg.kv_cache == "paged":  # Day 3
-            return PagedScheduler(*args, kv=self.kv, chunked=cfg.enable_chunked_prefill)
+            return PagedScheduler(*args, kv=self.kv, **chunking)
         if cfg.enable_chunked_prefill:  # Day 2
-            return ChunkedPrefillScheduler(*args, kv=self.kv)
+            return ChunkedPrefillScheduler(*args, kv=self.kv, **chunking)
         return Scheduler(*args, kv=self.kv)  # Day 1
 
     @classmethod

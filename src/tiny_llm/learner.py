@@ -1,0 +1,110 @@
+"""The learner switch: a day's module comes from the learner's workspace when one is there.
+
+With ``TINY_LLM_LEARNER`` set (``1`` for the repository's ``workspace/`` folder, or a path),
+importing ``tiny_llm.day3_paged_kv`` loads ``<workspace>/tiny_llm/day3_paged_kv.py`` if the
+learner has started Day 3, and the reference module otherwise. Nothing else changes: the
+engine, the tests, the benchmarks and the chat import the days as always, so they all run
+on the learner's code, mixed with the reference for the days not started. The kernel
+extension follows the same rule (``extension.py``: ``<workspace>/extensions``).
+
+The switch is read when a course module is first imported, so it must be set before:
+``pytest --learner`` and ``tiny-llm ... --learner`` set it early; ``import tiny_llm`` alone
+imports no day module.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ENV = "TINY_LLM_LEARNER"
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The repository holding this package (an editable install: src/tiny_llm), if any.
+REPO_DIR = PACKAGE_DIR.parents[1] if (PACKAGE_DIR.parents[1] / "pyproject.toml").exists() else None
+
+
+def workspace() -> Path | None:
+    """The learner's workspace when the switch is on, else None."""
+    value = os.environ.get(ENV, "")
+    if value in ("", "0"):
+        return None
+    if value != "1":
+        return Path(value).expanduser().resolve()
+    return (REPO_DIR if REPO_DIR is not None else Path.cwd()) / "workspace"
+
+
+def course_modules() -> set[str]:
+    """Modules a learner may replace: those of the reference holding course tasks."""
+    mark = re.compile(r"^[ \t]*# TASK \d+\.\d+: ", re.M)
+    return {p.stem for p in PACKAGE_DIR.glob("*.py") if mark.search(p.read_text())}
+
+
+def learner_file(module: str) -> Path | None:
+    """The workspace file that replaces ``tiny_llm.<module>``, if the learner has one."""
+    ws = workspace()
+    if ws is None:
+        return None
+    path = ws / "tiny_llm" / f"{module}.py"
+    return path if path.exists() and module in course_modules() else None
+
+
+class LearnerFinder(importlib.abc.MetaPathFinder):
+    """Finds ``tiny_llm.<module>`` in the workspace before the reference does."""
+
+    def find_spec(self, fullname, path, target=None):
+        package, _, module = fullname.rpartition(".")
+        if package != "tiny_llm":
+            return None
+        found = learner_file(module)
+        if found is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, found)
+
+
+def install() -> None:
+    if not any(isinstance(f, LearnerFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, LearnerFinder())
+
+
+def learner_modules() -> list[str]:
+    """The modules that come from the workspace (for reports such as pytest's header)."""
+    return sorted(m for m in course_modules() if learner_file(m) is not None)
+
+
+# ANCHOR: learner_extension
+def build_learner_extension(ws: Path) -> Path:
+    """Build the workspace's copy of the extension as module ``_ext_learner`` (again only
+    when a source is newer than the build); returns the module's file."""
+    build = ws / "build"
+    built = sorted(build.glob("_ext_learner*.so"))
+    sources = [p for p in (ws / "extensions").rglob("*") if p.is_file()]
+    if built and built[0].stat().st_mtime >= max(p.stat().st_mtime for p in sources):
+        return built[0]
+    print(f"tiny_llm: building your extension ({ws / 'extensions'}) ...", file=sys.stderr,
+          flush=True)
+    venv_cmake = Path(sys.executable).with_name("cmake")  # make setup installs it there
+    cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
+    for args in (["-S", str(ws / "extensions"), "-B", str(build),
+                  f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
+                  "-DTINY_LLM_EXT_NAME=_ext_learner"],
+                 ["--build", str(build), "-j2"]):
+        run = subprocess.run([cmake, *args], capture_output=True, text=True)
+        if run.returncode:
+            raise ImportError(f"your extension does not build:\n{run.stdout[-4000:]}"
+                              f"{run.stderr[-4000:]}")
+    return sorted(build.glob("_ext_learner*.so"))[0]
+
+
+def learner_extension(ws: Path) -> ModuleType:
+    """The workspace's copy of the extension, built if needed, imported from its build."""
+    spec = importlib.util.spec_from_file_location("_ext_learner", build_learner_extension(ws))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+# ANCHOR_END: learner_extension

@@ -1,0 +1,202 @@
+"""The course tests itself.
+
+- Every task is marked consistently, names a section of its chapter, and has tests.
+- The stubs are valid code: every generated Python module parses; the extension with every
+  kernel task stubbed builds, and its ops raise the task's error; the Metal kernels with a
+  task stubbed stop the emulator with the task's message.
+- ``start`` writes a day's stubs and never overwrites a learner's work.
+- For every task, stubbing that task alone (the rest reference) makes at least one of its
+  tests fail, with the task's message: a task no test catches would be a defect. (The
+  reference passing every task's tests is the rest of the suite.)
+
+C++ tasks are checked with one build of the extension whose task regions can be stubbed
+one at a time at run time (``TINY_LLM_STUB_TASK``), not one build per task.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from tiny_llm import course, learner
+
+import pytest
+
+TASKS = course.tasks()
+PYTHON_TASKS = [t for t in TASKS.values() if t.kind == "python"]
+CPP_TASKS = [t for t in TASKS.values() if {r.path.suffix for r in t.regions} == {".cpp"}]
+METAL_TASKS = [t for t in TASKS.values() if {r.path.suffix for r in t.regions} == {".metal"}]
+HAVE_COMPILER = shutil.which(os.environ.get("CXX", "g++")) is not None
+needs_linux_compiler = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not HAVE_COMPILER,
+    reason="kernel tasks are checked with the Linux build and the Metal emulator")
+
+
+# ---------------------------------------------------------------------------------------
+# The marks
+
+
+def test_every_day_has_consecutive_tasks():
+    by_day: dict[int, list[int]] = {}
+    for task in TASKS.values():
+        by_day.setdefault(task.day, []).append(task.number)
+    assert {1, 2, 3, 4, 5} <= set(by_day)
+    for day, numbers in by_day.items():
+        assert numbers == list(range(1, len(numbers) + 1)), f"day {day}: {numbers}"
+
+
+def test_every_task_names_a_section_of_its_chapter():
+    for task in TASKS.values():
+        chapter = (course.BOOK / task.chapter).read_text()
+        headings = {h.strip() for h in re.findall(r"(?m)^#+ (.+)$", chapter)}
+        assert task.section in headings, f"{task.id}: no heading '{task.section}' in {task.chapter}"
+
+
+def test_every_task_has_tests():
+    marked: set[str] = set()  # ids quoted on lines that speak of tasks (markers, tables)
+    for path in course.TESTS.glob("test_*.py"):
+        for line in path.read_text().splitlines():
+            if "task" in line.lower() and path.name != "test_course.py":
+                marked |= set(re.findall(r'"(\d+\.\d+)"', line))
+    assert set(TASKS) <= marked, f"tasks without tests: {sorted(set(TASKS) - marked)}"
+
+
+# ---------------------------------------------------------------------------------------
+# The stubs
+
+
+def test_python_stubs_parse_and_raise_the_task_error():
+    for path in {r.path for t in PYTHON_TASKS for r in t.regions}:
+        text = (course.SRC.parent / path).read_text()
+        ids = {t.id for t in PYTHON_TASKS if any(r.path == path for r in t.regions)}
+        stub = course.stubbed(text, path, ids)
+        ast.parse(stub)
+        for task_id in ids:
+            assert f"raise NotImplementedError({TASKS[task_id].message!r})" in stub
+        assert stub.count("# TASK ") == text.count("# TASK ")  # the marks stay
+
+
+def test_start_writes_stubs_and_never_overwrites_work(tmp_path, monkeypatch):
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    report = course.start(3)
+    mine = tmp_path / "tiny_llm" / "day3_paged_kv.py"
+    assert report[0] == f"wrote {mine}" and "NotImplementedError" in mine.read_text()
+    mine.write_text(mine.read_text() + "\n# my work\n")
+    assert course.start(3)[0].startswith("kept") and mine.read_text().endswith("# my work\n")
+    assert course.started_days() == [3]
+    assert learner.learner_file("day3_paged_kv") == mine
+    assert learner.learner_file("day1_batching") is None  # not started: the reference
+
+
+@needs_linux_compiler
+def test_kernel_stubs_are_added_day_by_day_around_a_learners_work(tmp_path, monkeypatch):
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    course.start(4)
+    cpu = tmp_path / "extensions" / "cpu_attention.cpp"
+    text = cpu.read_text()
+    assert TASKS["4.2"].message in text and TASKS["5.3"].message not in text
+    edited = text.replace(f'throw std::runtime_error("{TASKS["4.2"].message}");',
+                          "/* my page walk */")
+    cpu.write_text(edited)
+    course.start(5)
+    text = cpu.read_text()
+    assert "/* my page walk */" in text and TASKS["5.3"].message in text
+
+
+# ---------------------------------------------------------------------------------------
+# Stubbing one task alone fails its tests
+
+
+def failing_run(task: course.Task, ws: Path, env: dict[str, str] | None = None) -> str:
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        run = course.run_task_tests(task, ws, extra=["-x"])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, f"task {task.id} stubbed, its tests still pass:\n{output[-3000:]}"
+    return output
+
+
+@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
+def test_stubbing_a_python_task_alone_fails_its_tests(task, tmp_path):
+    for path in {r.path for r in task.regions}:
+        target = tmp_path / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(course.stubbed((course.SRC.parent / path).read_text(), path, {task.id}))
+    assert task.message in failing_run(task, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def switchable_extension(tmp_path_factory) -> Path:
+    """A workspace whose extension can stub any one C++ task at run time, built once."""
+    ws = tmp_path_factory.mktemp("switchable")
+    shutil.copytree(course.EXTENSIONS, ws / "extensions",
+                    ignore=shutil.ignore_patterns("blas_shim"))
+    switch = ('#include <cstdlib>\n#include <cstring>\n#include <stdexcept>\n'
+              'static bool course_stubbed(const char* id) {\n'
+              '  const char* s = std::getenv("TINY_LLM_STUB_TASK");\n'
+              '  return s != nullptr && std::strcmp(s, id) == 0;\n}\n')
+    for path in {r.path for t in CPP_TASKS for r in t.regions}:
+        lines = (ws / path).read_text().splitlines()
+        for region, task_id, _, _ in reversed(course.regions_in("\n".join(lines), path)):
+            guard = (f'{region.indent}if (course_stubbed("{task_id}")) '
+                     f'throw std::runtime_error("{TASKS[task_id].message}");')
+            lines.insert(region.start + 1, guard)
+        (ws / path).write_text(switch + "\n".join(lines) + "\n")
+    learner.build_learner_extension(ws)  # once, for every C++ task
+    return ws
+
+
+@needs_linux_compiler
+@pytest.mark.parametrize("task", CPP_TASKS, ids=lambda t: t.id)
+def test_stubbing_a_cpp_task_alone_fails_its_tests(task, switchable_extension):
+    output = failing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": task.id})
+    assert task.message in output
+
+
+@needs_linux_compiler
+def test_the_fully_stubbed_extension_builds_and_raises_the_first_tasks_error(tmp_path):
+    from tiny_llm.testing.paged import make_paged_case
+
+    import mlx.core as mx
+
+    os.environ[learner.ENV] = str(tmp_path)
+    try:
+        course.start(4)
+        course.start(5)
+    finally:
+        del os.environ[learner.ENV]
+    ext = learner.learner_extension(tmp_path)
+    case = make_paged_case([(20, 1), (9, 3)])
+    with pytest.raises(RuntimeError, match=re.escape(TASKS["4.2"].message)):
+        mx.eval(ext.paged_attention(*case.args(), tiled=False))
+    with pytest.raises(RuntimeError, match=re.escape(TASKS["5.3"].message)):
+        mx.eval(ext.paged_attention(*case.args(), tiled=True))
+
+
+@needs_linux_compiler
+@pytest.mark.parametrize("task", METAL_TASKS, ids=lambda t: t.id)
+def test_stubbing_a_metal_task_alone_stops_the_emulated_kernel_with_its_message(task):
+    sys.path.insert(0, str(course.SRC.parents[1] / "tools"))
+    from tiny_llm.extension import extension
+    from tiny_llm.testing.paged import make_paged_case
+
+    from metal_emulator import EmulatorError, run_plan
+
+    (path,) = {r.path for r in task.regions}
+    source = course.SRC.parent / path
+    stub = course.stubbed(source.read_text(), path, {task.id})
+    case = make_paged_case([(20, 1), (9, 3)], group=3, n_kv_heads=1)
+    plan = extension().metal_launch_plan(*case.args(), tiled=True)
+    header = plan["header"]
+    assert header.endswith(source.read_text())  # the reference, as the extension embeds it
+    plan["header"] = header[: len(header) - len(source.read_text())] + stub
+    with pytest.raises(EmulatorError, match=re.escape(task.message)):
+        run_plan(plan, source, schedules=("forward",))
