@@ -7,8 +7,13 @@
 - ``save_results(name, data, tables, figure)`` writes ``benchmark_results/<name>.json`` (the
   data, the tables and the environment), ``<name>.md`` (the tables rendered from that JSON,
   which the book includes, so no number in the book is typed by hand) and ``<name>.png``.
-- ``--quick`` (a short smoke run) and ``--repeats N`` are per-script options; with
-  ``--quick``, ``load_model`` builds a tiny random model instead of loading SmolLM2.
+- Every script takes ``--quick`` (a short smoke run on a tiny random model, written to
+  ``<name>_quick.*``), ``--rounds N`` (interleaved rounds; at least 3 for the book's
+  results, which record the median and the spread) and ``--learner`` (run on the course
+  workspace's modules, see the book's setup chapter): ``bench_parser``.
+- ``save_results`` records the commit and whether the tree was clean; the book's test
+  refuses results from a modified tree or from fewer than 3 rounds (unless ``long=True``,
+  for runs too slow to repeat, which the table then says).
 - Shared pieces: ``load_model``, ``mlx_lm_model`` (mlx-lm's Llama on our arrays),
   ``greedy``, ``percentile``, ``Recorder`` (wall-clock token times per request), ``lap``
   (phase timings) and ``openblas_threads``.
@@ -18,6 +23,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime
 import json
@@ -34,12 +40,17 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The learner switch must be set before any day's module is imported: scripts import this
+# module before the engine, so --learner is read here, ahead of argparse.
+if "--learner" in sys.argv:
+    os.environ.setdefault("TINY_LLM_LEARNER", "1")
+
 # tiny_llm interposes OpenBLAS on import; mlx.core is imported after it, inside functions,
 # so that no import sorting can ever put MLX first.
-from tiny_llm.blas import openblas_loaded
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.blas import openblas_loaded  # noqa: E402
+from tiny_llm.sampling import SamplingParams  # noqa: E402
 
-import numpy as np
+import numpy as np  # noqa: E402
 
 if TYPE_CHECKING:
     from tiny_llm.engine import LLMEngine
@@ -79,6 +90,23 @@ def measure(fn: Callable[[], Any], warmup: int = 1, repeats: int = 5) -> Timing:
         times.append(time.perf_counter() - start)
     return Timing(statistics.median(times), min(times), times)
 # ANCHOR_END: measure
+
+
+def bench_parser(doc: str | None, rounds: int = 3) -> argparse.ArgumentParser:
+    """The options every measurement script takes (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny random model, small workload")
+    ap.add_argument("--rounds", type=int, default=rounds,
+                    help=f"interleaved rounds, median reported (default {rounds})")
+    ap.add_argument("--learner", action="store_true",
+                    help="run on your course workspace's modules (TINY_LLM_LEARNER)")
+    return ap
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and count of per-round values (what a table cell summarises)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": len(values), "values": values}
 
 
 def lap(timings: dict[str, float], name: str, since: float) -> float:
@@ -315,18 +343,24 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"mlx {env['mlx_version']} ({env['mlx_device']}), "
         f"OpenBLAS interposed: {'yes' if env['openblas_interposed'] else 'no'}, "
         f"commit {env['git_commit']}{' (modified)' if env['git_dirty'] else ''}; "
+        f"median of {result.get('rounds', 1)} rounds"
+        f"{' (a long run)' if result.get('long') else ''}; "
         f"`{env['command']}`.</small>"
     )
     return "\n\n".join(parts) + "\n"
 
 
-def save_results(name: str, data: dict[str, Any], tables: list[Table], figure: Any = None) -> Path:
+def save_results(name: str, data: dict[str, Any], tables: list[Table], figure: Any = None,
+                 rounds: int = 1, long: bool = False) -> Path:
     """Write ``<name>.json``, ``<name>.md`` (from the JSON) and ``<name>.png`` (if a
-    matplotlib ``figure`` is given) under ``benchmark_results/``; print the tables."""
+    matplotlib ``figure`` is given) under ``benchmark_results/``; print the tables.
+    ``rounds``: interleaved rounds behind each median; ``long``: a run too slow to repeat."""
     out = results_dir()
     result = {
         "name": name,
         "environment": environment(),
+        "rounds": rounds,
+        "long": long,
         "data": data,
         "tables": [asdict(t) for t in tables],
     }

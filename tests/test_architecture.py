@@ -15,6 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
 CORE = {"model", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
         "extension", "generate", "blas", "learner"}  # fmt: skip
+OPTIONAL = {"speculative"}  # the optional chapters: the core and any day, never the engine
 TOP = {"engine", "cli", "course", "__init__"}
 DAY = re.compile(r"day(\d+)_")
 
@@ -52,7 +53,8 @@ def day_of(module: str) -> int | None:
 def test_every_module_is_classified():
     for name in imports():
         top = name.split(".")[0]
-        assert top in CORE | TOP | {"testing", "_native"} or day_of(top) is not None, name
+        assert top in CORE | TOP | OPTIONAL | {"testing", "_native"} or day_of(top) is not None, (
+            name)
 
 
 def test_days_import_only_the_core_and_earlier_days():
@@ -94,3 +96,11 @@ def test_no_import_circle():
     for module in graph:
         if state.get(module) is None:
             visit(module, [module])
+
+
+def test_optional_chapters_build_on_the_days_not_on_the_engine():
+    graph = imports()
+    for module in OPTIONAL:
+        for target in graph[module]:
+            top = target.split(".")[0]
+            assert top in CORE or day_of(top) is not None or top == "loader", (module, target)

@@ -39,6 +39,10 @@ ENGINE_FLAGS = [
     ("--kv-memory-fraction", "kv_memory_fraction", float, "KV pool as a share of free memory"),
     ("--attention", "attention", str,
      "dense, gather (Day 3), reference or vector (Day 4), flash_reference or flash (Day 5)"),
+    ("--speculative", "speculative", str, "off, ngram (prompt lookup) or draft (--draft-model)"),
+    ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step"),
+    ("--speculative-max-batch", "speculative_max_batch", int, "no drafts above this batch"),
+    ("--draft-model", "draft_model", str, "the draft: an HF folder, hub id or .gguf file"),
 ]
 
 

@@ -43,7 +43,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, DenseAttention, DenseSlots, Scheduler
@@ -62,7 +62,16 @@ from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
-from tiny_llm.step import AttentionGeometry, StepBatch
+from tiny_llm.speculative import (
+    SPECULATIVE,
+    NgramProposer,
+    SpeculationPolicy,
+    SpeculativeDecoding,
+    SpeculativeScheduler,
+    make_draft_proposer,
+    rewind,
+)
+from tiny_llm.step import AttentionGeometry, ScheduledChunk, StepBatch
 from tiny_llm.tokenizer import Tokenizer, check_text
 
 import mlx.core as mx
@@ -105,10 +114,15 @@ class EngineConfig:
     kv_memory_fraction: float | None = None  # ... or as a fraction of available memory
     enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
     attention: str | None = None  # a name in ATTENTION_BACKENDS; default: the storage's best
+    speculative: str = "off"  # "draft" (a smaller model) or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4  # tokens drafted per request and step
+    speculative_max_batch: int = 4  # drafting stops when more requests run (measured)
+    draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
+                     "num_speculative_tokens", "speculative_max_batch"):
             _check_int(name, getattr(self, name), 1)
         for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1),
                             ("long_prefill_token_threshold", 1)):
@@ -146,6 +160,13 @@ class EngineConfig:
         if storage != self.kv_cache:
             raise ValueError(f"attention={self.attention!r} reads {storage} K/V; it needs "
                              f"kv_cache={storage!r}, not {self.kv_cache!r}")
+        _check_choice("speculative", self.speculative, SPECULATIVE)
+        if self.speculative != "off" and self.kv_cache != "paged":
+            raise ValueError("speculative decoding rewinds the paged cache: it needs "
+                             "kv_cache='paged'")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative='draft' and draft_model go together: give both or "
+                             "neither")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -195,6 +216,7 @@ class LLMEngine:
         self.kv = self._make_kv_space()
         self.attention = backend(self.kv)
         self.scheduler = self._make_scheduler()
+        self.spec = self._make_speculation()
         self.requests: dict[str, Request] = {}  # ids taken: live or with undelivered outputs
         self._queues: dict[Request, deque[RequestOutput]] = {}  # outputs of generate/stream
         self._pending: list[RequestOutput] = []  # outputs of add_request'ed requests, for step()
@@ -219,11 +241,25 @@ class LLMEngine:
         args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
         chunking = dict(chunked=cfg.enable_chunked_prefill,
                         long_prefill_token_threshold=cfg.long_prefill_token_threshold)
+        if cfg.speculative != "off":  # drafts become extra rows of a decode's chunk
+            return SpeculativeScheduler(*args, kv=self.kv, **chunking)
         if cfg.kv_cache == "paged":  # Day 3
             return PagedScheduler(*args, kv=self.kv, **chunking)
         if cfg.enable_chunked_prefill:  # Day 2
             return ChunkedPrefillScheduler(*args, kv=self.kv, **chunking)
         return Scheduler(*args, kv=self.kv)  # Day 1
+
+    def _make_speculation(self) -> SpeculativeDecoding | None:
+        cfg = self.config
+        if cfg.speculative == "off":
+            return None
+        if cfg.speculative == "ngram":
+            proposer = NgramProposer()
+        else:
+            proposer = make_draft_proposer(self.model, self.tokenizer, cfg.draft_model,
+                                           cfg.page_size, self.max_model_len, cfg.max_num_seqs)
+        policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
+        return SpeculativeDecoding(proposer, policy, self.model.config.vocab_size)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -351,8 +387,13 @@ class LLMEngine:
 
     def _abort(self, request: Request) -> None:
         delta = request.finish("abort")
-        self.scheduler.retire(request)
+        self._retire(request)
         self._route(request, request.output([], delta))
+
+    def _retire(self, request: Request) -> None:
+        self.scheduler.retire(request)
+        if self.spec is not None:
+            self.spec.proposer.release(request)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -376,6 +417,8 @@ class LLMEngine:
 
     def _step(self) -> None:
         self._reap_abandoned()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.has_unfinished():
@@ -385,38 +428,65 @@ class LLMEngine:
         self.attention.begin_step(batch)
         logits = self.model(batch.token_ids, batch.positions, self.attention, batch.logit_rows)
         mx.eval(logits, self.attention.state())
-        tokens = self._sample(logits, batch.sampling)
+        tokens = self._sample(logits, batch)
         with _interrupts_held():
             self._commit(batch, tokens)
     # ANCHOR_END: step
 
-    def _sample(self, logits: mx.array, requests: list[Request]) -> list[int]:
-        """Sample one token per request; on failure, every generator is as it was."""
+    def _sample(self, logits: mx.array, batch: StepBatch) -> list[list[int]]:
+        """The tokens each sampling request emits (one, or with speculation the accepted
+        drafts and one more); on failure, every generator is as it was."""
+        requests = batch.sampling
         if not requests:
             return []
-        states = [(r.sampler.rng, r.sampler.rng.bit_generator.state) for r in requests
-                  if not r.params.greedy]
+        states = [(r.sampler.rng, r.sampler.rng.bit_generator.state) for r in requests]
         try:
-            return sample_next_tokens(logits, [r.sampler for r in requests])
+            rows = np.cumsum([0, *batch.num_logits])
+            plain = [i for i, n in enumerate(batch.num_logits) if n == 1]
+            tokens: list[list[int]] = [[] for _ in requests]
+            if plain:  # one row each: the sampler takes them together
+                picked = logits if len(plain) == len(requests) else logits[
+                    mx.array([int(rows[i]) for i in plain])]
+                drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain])
+                for i, token in zip(plain, drawn, strict=True):
+                    tokens[i] = [token]
+            for i, n in enumerate(batch.num_logits):
+                if n > 1:  # drafts to verify: k + 1 rows
+                    tokens[i] = self.spec.verify(requests[i], logits[rows[i] : rows[i] + n]).tokens
+            return tokens
         except BaseException:
             for rng, state in states:
                 rng.bit_generator.state = state
             raise
 
-    def _commit(self, batch: StepBatch, tokens: list[int]) -> None:
+    def _commit(self, batch: StepBatch, tokens: list[list[int]]) -> None:
         """Record a successful step. Pure bookkeeping: nothing here may raise."""
-        self.scheduler.finish_step(batch.chunks)
+        emitted = dict(zip(batch.sampling, tokens, strict=True))
+        # A verified chunk computed K/V for its last token and the accepted drafts only.
+        done = [ScheduledChunk(c.request, c.start, c.start + len(emitted[c.request]))
+                if c.end > c.request.num_tokens else c for c in batch.chunks]
+        self.scheduler.finish_step(done)
         for chunk in batch.chunks:
             prompt_len = len(chunk.request.prompt_token_ids)
             self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
                                                                - chunk.start)
-        for request, token in zip(batch.sampling, tokens, strict=True):
-            delta = request.append_token(token)
+            if chunk.end > chunk.request.num_tokens:  # drafts rejected: rewind the pages
+                rewind(self.kv, chunk.request, chunk.request.num_computed_tokens)
+        for request, new_tokens in emitted.items():
+            request.spec_token_ids = []
+            appended, delta = [], ""
+            for token in new_tokens:
+                appended.append(token)
+                delta += request.append_token(token)
+                if request.is_finished:
+                    break
+            if self.spec is not None and not request.is_finished:
+                self.spec.proposer.rewind(request)
             if request.is_finished:
-                self.scheduler.retire(request)
-            self._route(request, request.output([token], delta))
+                self._retire(request)
+            self._route(request, request.output(appended, delta))
+            self.counters["num_generated_tokens"] += len(appended)
         self.counters["num_steps"] += 1
-        self.counters["num_generated_tokens"] += len(tokens)
 
     def _route(self, request: Request, output: RequestOutput) -> None:
         queue = self._queues.get(request)
@@ -458,6 +528,7 @@ class LLMEngine:
                 "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_bytes": self.kv.nbytes(),
                 **self.kv.stats(),
+                **(self.spec.stats() if self.spec is not None else {}),
             }
 
     # ----------------------------------------------------------- outputs out
@@ -508,7 +579,7 @@ class LLMEngine:
         """Abort and forget requests whose owner is gone (their outputs go nowhere)."""
         for request in requests:
             if not request.is_finished:
-                self.scheduler.retire(request)
+                self._retire(request)
                 request.finish("abort")
             self._release(request)
 
@@ -633,4 +704,4 @@ class LLM:
 
     @property
     def config(self) -> dict[str, Any]:
-        return asdict(self.engine.config)
+        return {f.name: getattr(self.engine.config, f.name) for f in fields(EngineConfig)}

@@ -83,6 +83,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Speculative decoding: tokens proposed for the next positions, to be verified by
+        # the next step (not part of the request's tokens until accepted), and the
+        # proposer's distribution at each (None: a deterministic proposal).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
         self._text = ""  # detokenized output, stop strings not yet ruled out at its end
         self._released = 0  # chars of _text already handed to the caller
         self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)

@@ -9,6 +9,8 @@ once, and everything downstream reads that one object:
 - ``query_start_loc [B + 1]``: sequence b owns rows ``query_start_loc[b] .. [b + 1] - 1``;
 - ``context_lens [B]``: tokens of sequence b once the step is done (its chunk's ``end``);
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
+  with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
+  there (``num_logits``);
 - what the KV storage adds: ``block_table [B, max_pages]`` and ``slot_mapping [T]`` for
   paged storage (Day 3), the dense caches of the step's sequences otherwise (Day 1).
 
@@ -48,8 +50,9 @@ class StepBatch:
     positions: mx.array  # int32 [T]
     query_start_loc: list[int]  # [B + 1]
     context_lens: list[int]  # [B]
-    logit_rows: mx.array  # int32 [R]: one row per sampling request
-    sampling: list[Any]  # the R requests that sample a token after this step
+    logit_rows: mx.array  # int32 [R]: the rows whose logits the step needs
+    sampling: list[Any]  # the requests that sample after this step ...
+    num_logits: list[int]  # ... and how many of the logit rows are each one's (in order)
     kv: dict[str, Any] = field(default_factory=dict)  # what the KV storage lays out
 
     @classmethod
@@ -58,15 +61,18 @@ class StepBatch:
         positions: list[int] = []
         query_start_loc = [0]
         logit_rows: list[int] = []
-        sampling = []
+        sampling, num_logits = [], []
         for chunk in chunks:
             req = chunk.request
-            token_ids += req.token_ids_between(chunk.start, chunk.end)
+            drafts = max(0, chunk.end - req.num_tokens)  # speculative rows past its tokens
+            token_ids += req.token_ids_between(chunk.start, chunk.end - drafts)
+            token_ids += req.spec_token_ids[:drafts] if drafts else []
             positions += range(chunk.start, chunk.end)
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
-            if chunk.end == req.num_tokens:  # the chunk reaches the end: sample the next token
-                logit_rows.append(query_start_loc[-1] - 1)
+            if chunk.end >= req.num_tokens:  # the chunk reaches the end: sample the next token
+                logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
                 sampling.append(req)
+                num_logits.append(drafts + 1)
         return cls(
             chunks,
             mx.array(token_ids, dtype=mx.int32),
@@ -75,6 +81,7 @@ class StepBatch:
             [c.end for c in chunks],
             mx.array(logit_rows, dtype=mx.int32),
             sampling,
+            num_logits,
             kv_space.layout(chunks),
         )
 # ANCHOR_END: step_batch

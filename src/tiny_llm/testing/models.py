@@ -102,3 +102,24 @@ def mlx_lm_twin(model: Model) -> nn.Module:
     twin.load_weights(list(tree_flatten(model.parameters())), strict=True)
     mx.eval(twin.parameters())
     return twin
+
+
+def make_repeater_model(vocab_size: int = 49152, seed: int = 0) -> Model:
+    """A model that predicts its last token again: attention and MLPs output zero, so the
+    residual stream is the token's embedding, and the tied vocabulary projection scores
+    that token highest. Greedy decoding repeats the prompt's last token — text that
+    prompt lookup (speculative decoding's n-gram proposer) can predict."""
+    model = Model(ModelConfig.from_hf(tiny_config("llama", vocab_size,
+                                                  tie_word_embeddings=True)))
+    mx.random.seed(seed)
+    weights = []
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("embed_tokens.weight"):
+            weights.append((name, mx.random.normal(p.shape)))
+        elif "norm" in name:
+            weights.append((name, mx.ones(p.shape)))
+        else:
+            weights.append((name, mx.zeros(p.shape)))
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model

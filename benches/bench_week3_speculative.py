@@ -1,0 +1,216 @@
+"""Speculative decoding: acceptance and output speed against k and batch size, side by side
+with speculation off, on a repetitive and a non-repetitive workload.
+
+Model: the default (SmolLM2-135M-Instruct, float32 on the CPU); greedy, ``max_tokens``
+fixed with ``ignore_eos``, so every configuration generates the same tokens (checked).
+
+Workloads (chat-templated prompts):
+
+- **repetitive**: the answer quotes the prompt — "repeat this paragraph", "rewrite this
+  code renaming one variable" — text prompt lookup can predict;
+- **non-repetitive**: open questions whose answers do not copy the prompt.
+
+Measurements, each configuration once per round, rounds interleaved, median and spread:
+
+1. **Batch 1**, per workload: output tok/s (generated tokens / wall time of the request,
+   prefill included) with speculation off, prompt lookup (``ngram``) at k = 2, 4 and 8, and
+   a draft model at k = 4 (the target's first 8 of its 30 layers, with its own norm and
+   vocabulary projection: a draft with the same tokenizer that needs no second download);
+   the drafts kept per verification step (mean and distribution).
+2. **Batch size** 1, 2, 4, 8, 16 (copies of the repetitive prompts, all arriving at once):
+   output tok/s with speculation off, prompt lookup forced on at every batch size
+   (``speculative_max_batch`` above the batch), and prompt lookup with the default policy
+   (drafts only while at most ``speculative_max_batch`` requests run). The ratio against
+   off is what the default policy was chosen from.
+
+    python benches/bench_week3_speculative.py           # about 15 minutes on 2 cores
+    python benches/bench_week3_speculative.py --quick   # tiny random model, writes *_quick.*
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from tiny_llm.engine import EngineConfig, LLMEngine
+from tiny_llm.model import Model, ModelConfig
+
+import mlx.core as mx
+from common import Table, bench_parser, greedy, load_model, save_results, spread
+
+PARAGRAPH = (
+    "The paged KV cache stores keys and values in fixed-size pages taken from one shared "
+    "pool. Each sequence owns a block table that maps its logical positions to physical "
+    "pages, so memory is allocated in small units as sequences grow, and requests with a "
+    "common prefix share pages instead of copying them."
+)
+CODE = (
+    "def total_price(items, tax):\n    subtotal = 0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    return subtotal * (1 + tax)\n"
+)
+WORKLOADS = {
+    "repetitive": [
+        f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+        f"Rewrite this Python function, renaming the variable subtotal to amount. "
+        f"Output only the code.\n\n{CODE}",
+    ],
+    "non-repetitive": [
+        "Give three tips for staying focused while studying.",
+        "Why is the sky blue? Explain in a few sentences.",
+    ],
+}
+BATCHES = (1, 2, 4, 8, 16)
+
+
+def early_exit_draft(model: Model, num_layers: int) -> Model:
+    """The target's first ``num_layers`` layers with its embeddings, final norm and
+    vocabulary projection: the same arrays, no copy."""
+    cfg = ModelConfig(**{**model.config.__dict__, "num_hidden_layers": num_layers})
+    draft = Model(cfg)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = model.model.layers[:num_layers]
+    draft.model.norm = model.model.norm
+    if not cfg.tie_word_embeddings:
+        draft.lm_head = model.lm_head
+    return draft
+
+
+def serve(model, tokenizer, prompts: list, max_tokens: int, **options: Any) -> dict[str, Any]:
+    engine = LLMEngine(model, tokenizer, num_pages=1024, max_model_len=1024,
+                       max_num_seqs=16, **options)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    return {"tok_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+            "tokens": [o.outputs[0].token_ids for o in outs], "stats": stats}
+
+
+def main() -> None:
+    args = bench_parser(__doc__).parse_args()
+    model, tokenizer, model_name = load_model(args.quick, num_hidden_layers=4)
+    max_tokens = 16 if args.quick else 64
+    draft = (early_exit_draft(model, 1 if args.quick else 8), tokenizer)
+    batch1 = {
+        "off": {},
+        "ngram k=2": dict(speculative="ngram", num_speculative_tokens=2),
+        "ngram k=4": dict(speculative="ngram", num_speculative_tokens=4),
+        "ngram k=8": dict(speculative="ngram", num_speculative_tokens=8),
+        "draft k=4": dict(speculative="draft", num_speculative_tokens=4, draft_model=draft),
+    }
+    default_max = EngineConfig().speculative_max_batch
+    by_batch = {
+        "off": {},
+        "ngram, always": dict(speculative="ngram", speculative_max_batch=max(BATCHES)),
+        "ngram, default policy": dict(speculative="ngram"),
+    }
+    chats = {w: [[{"role": "user", "content": p}] for p in ps] for w, ps in WORKLOADS.items()}
+    serve(model, tokenizer, chats["repetitive"][:1], 4)  # warm up
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for workload, prompts in chats.items():
+            names = list(batch1) if r % 2 == 0 else list(batch1)[::-1]
+            for name in names:
+                for i, prompt in enumerate(prompts):
+                    runs.setdefault(f"b1|{workload}|{name}|{i}", []).append(
+                        serve(model, tokenizer, [prompt], max_tokens, **batch1[name]))
+        for b in BATCHES:
+            prompts = [chats["repetitive"][i % 2] for i in range(b)]
+            for name in (list(by_batch) if r % 2 == 0 else list(by_batch)[::-1]):
+                runs.setdefault(f"batch|{b}|{name}", []).append(
+                    serve(model, tokenizer, prompts, max_tokens, **by_batch[name]))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+    def same(key: str, base: str) -> bool:
+        return all(x["tokens"] == y["tokens"] for x, y in zip(runs[key], runs[base], strict=True))
+
+    rows1, data1 = [], {}
+    for workload, prompts in chats.items():
+        for name in batch1:
+            keys = [f"b1|{workload}|{name}|{i}" for i in range(len(prompts))]
+            per_round = [statistics.mean(runs[k][r]["tok_per_s"] for k in keys)
+                         for r in range(args.rounds)]
+            base = [statistics.mean(runs[f"b1|{workload}|off|{i}"][r]["tok_per_s"]
+                                    for i in range(len(prompts))) for r in range(args.rounds)]
+            ratio = [a / b for a, b in zip(per_round, base, strict=True)]
+            hist = [0] * 9
+            kept = drafts = steps = 0
+            for k in keys:
+                st = runs[k][0]["stats"]
+                for n, c in enumerate(st.get("acceptance_histogram", [])):
+                    hist[n] += c
+                kept += st.get("num_accepted_tokens", 0)
+                drafts += st.get("num_draft_tokens", 0)
+                steps += st.get("num_verify_steps", 0)
+            identical = all(same(k, f"b1|{workload}|off|{i}") for i, k in enumerate(keys))
+            data1[f"{workload}|{name}"] = {"tok_per_s": spread(per_round),
+                                           "ratio": spread(ratio), "histogram": hist,
+                                           "kept": kept, "drafts": drafts, "steps": steps}
+            rows1.append([workload, name, statistics.median(per_round), min(per_round),
+                          max(per_round), statistics.median(ratio),
+                          kept / steps if steps else None,
+                          kept / drafts if drafts else None,
+                          histogram_text(hist) if steps else "–",
+                          "yes" if identical else "NO"])
+    rows2, data2 = [], {}
+    for b in BATCHES:
+        base = [x["tok_per_s"] for x in runs[f"batch|{b}|off"]]
+        row = [b, statistics.median(base)]
+        for name in list(by_batch)[1:]:
+            tps = [x["tok_per_s"] for x in runs[f"batch|{b}|{name}"]]
+            ratio = [a / c for a, c in zip(tps, base, strict=True)]
+            data2[f"{b}|{name}"] = {"tok_per_s": spread(tps), "ratio": spread(ratio)}
+            row += [statistics.median(tps), statistics.median(ratio)]
+        row.append("yes" if all(same(f"batch|{b}|{n}", f"batch|{b}|off")
+                                for n in list(by_batch)[1:]) else "NO")
+        rows2.append(row)
+    tables = [
+        Table("1. Batch 1: output tok/s (prefill included) and drafts kept",
+              ["workload", "speculation", "tok/s", "min", "max", "× off", "kept / step",
+               "kept / drafted", "steps keeping 0, 1, 2, ... drafts", "same tokens"],
+              rows1, ["", "", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f", "", ""],
+              f"{model_name}; {max_tokens} tokens per request, greedy; tok/s is the mean over "
+              "the workload's prompts, median over rounds (min and max across rounds); "
+              "draft: the target's first 8 layers."),
+        Table("2. Output tok/s against batch size (repetitive prompts, all at once)",
+              ["batch", "off", "ngram always", "× off", "ngram, default policy", "× off",
+               "same tokens"],
+              rows2, ["", ".1f", ".1f", ".2f", ".1f", ".2f", ""],
+              f"k = 4; the default policy drafts while at most {default_max} requests run."),
+    ]
+    figure = plot(rows2, default_max)
+    save_results("bench_week3_speculative" + ("_quick" if args.quick else ""),
+                 {"batch1": data1, "by_batch": data2, "model": model_name,
+                  "max_tokens": max_tokens}, tables, figure, rounds=args.rounds)
+
+
+def histogram_text(hist: list[int]) -> str:
+    while len(hist) > 1 and hist[-1] == 0:
+        hist = hist[:-1]
+    return " ".join(str(c) for c in hist)
+
+
+def plot(rows2: list[list], default_max: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    batches = [r[0] for r in rows2]
+    ax.plot(batches, [r[3] for r in rows2], "o-", label="prompt lookup, always")
+    ax.plot(batches, [r[5] for r in rows2], "s--", label="prompt lookup, default policy")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axvline(default_max, color="gray", ls=":", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests running at once")
+    ax.set_ylabel("output tok/s, × speculation off")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    mx.random.seed(0)
+    main()

@@ -1,0 +1,323 @@
+"""Speculative decoding: the acceptance rule, the proposers, rewind, and the engine.
+
+Oracles: the target distribution itself (chi-square over many seeded trials: what the rule
+emits must be distributed as the target, at any temperature and with filters), and the
+engine without speculation (greedy tokens must be identical, token for token, for both
+proposers, alone and in a batch, with preemption and prefix hits).
+"""
+
+from __future__ import annotations
+
+import random
+
+from tiny_llm.day3_paged_kv import BlockManager, BlockSpace
+from tiny_llm.engine import LLMEngine
+from tiny_llm.sampling import SamplingParams
+from tiny_llm.speculative import NgramProposer, distribution, rewind, speculative_accept
+from tiny_llm.testing.models import make_repeater_model, make_tiny_model
+from tiny_llm.testing.runs import greedy, tokens_of
+
+import numpy as np
+import pytest
+
+
+class Draws:
+    """A generator whose draws are given: decides each accept/reject in a test."""
+
+    def __init__(self, *values: float):
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+def chi2_critical(dof: int) -> float:
+    """The chi-square value exceeded with probability ~1e-6 (Wilson-Hilferty)."""
+    z = 4.75
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+# ---------------------------------------------------------------------------------------
+# The acceptance rule
+
+
+@pytest.mark.task("6.1")
+def test_the_rule_case_by_case():
+    p = np.array([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.8, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = np.array([[0.25, 0.25, 0.5, 0.0], [0.1, 0.1, 0.8, 0.0]])
+    # Draft 0 (p 0.5 >= q 0.25): accepted whatever the draw; draft 2 at position 1
+    # (p = q): accepted; all accepted, the bonus comes from p[2] (draw 0.6 -> token 2).
+    assert speculative_accept([0, 2], p, q, Draws(0.99, 0.99, 0.6)) == (2, 2)
+    # Draft 2 at position 0: p 0.2 < q 0.5, accepted with probability 0.4.
+    assert speculative_accept([2, 2], p, q, Draws(0.39, 0.0, 0.6))[0] == 2
+    n, bonus = speculative_accept([2, 2], p, q, Draws(0.41, 0.5))
+    # Rejected: the residual max(0, p - q) = [0.25, 0.05, 0, 0] -> draw 0.5 -> token 0.
+    assert (n, bonus) == (0, 0)
+    assert speculative_accept([2, 2], p, q, Draws(0.41, 0.9)) == (0, 1)
+    # A token the proposer could not propose (q = 0) is never accepted.
+    assert speculative_accept([3], p, q[:1], Draws(0.0, 0.5))[0] == 0
+
+
+@pytest.mark.task("6.1")
+def test_greedy_accepts_exactly_the_argmax():
+    vocab = 7
+    p = np.eye(vocab)[[3, 5, 1]]  # greedy targets: one-hot on the argmax
+    q = np.eye(vocab)[[3, 5]]
+    assert speculative_accept([3, 5], p, q, np.random.default_rng(0)) == (2, 1)
+    assert speculative_accept([3, 4], p, np.eye(vocab)[[3, 4]], np.random.default_rng(0)) == (
+        1, 5)  # the first mismatch is replaced by the target's argmax
+    assert speculative_accept([2, 5], p, np.eye(vocab)[[2, 5]], np.random.default_rng(0)) == (
+        0, 3)
+
+
+@pytest.mark.task("6.1")
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.1),
+], ids=["T1", "T0.7-topk-topp", "minp"])
+def test_emitted_tokens_follow_the_target_distribution(params):
+    """Over many trials, the token emitted at each position is distributed as the target's
+    distribution there, whatever the draft proposes (filters applied to both)."""
+    rng = np.random.default_rng(0)
+    vocab, k, trials = 8, 3, 30000
+    target = rng.normal(size=(k + 1, vocab)) * 2
+    draft = target[:k] + rng.normal(size=(k, vocab))  # a draft that is often, not always, right
+    p = np.stack([distribution(row, params, vocab) for row in target])
+    q = np.stack([distribution(row, params, vocab) for row in draft])
+    counts = np.zeros((k + 1, vocab))
+    draws = np.random.default_rng(1)
+    for _ in range(trials):
+        drafts = [int(draws.choice(vocab, p=q[i])) for i in range(k)]
+        n, bonus = speculative_accept(drafts, p, q, draws)
+        for j, token in enumerate([*drafts[:n], bonus]):
+            counts[j, token] += 1
+    for j in range(k + 1):
+        seen = counts[j].sum()
+        assert seen > 2000
+        support = p[j] > 0
+        expected = p[j][support] * seen
+        chi2 = ((counts[j][support] - expected) ** 2 / expected).sum()
+        assert chi2 < chi2_critical(max(1, support.sum() - 1)), (j, counts[j], p[j] * seen)
+        assert counts[j][~support].sum() == 0  # nothing the filters removed is ever emitted
+
+
+# ---------------------------------------------------------------------------------------
+# Rewind
+
+
+def space_with(tokens: int, page_size: int = 4, caching: bool = True) -> tuple[BlockSpace, str]:
+    space = BlockSpace(BlockManager(16, page_size, enable_prefix_caching=caching))
+
+    class Seq:
+        def __init__(self):
+            self.ids = list(range(100, 100 + tokens))
+            self.num_tokens = tokens
+
+        def token_ids_between(self, start, end):
+            return self.ids[start:end]
+
+    seq = Seq()
+    assert space.allocate(seq, tokens)
+    return space, seq
+
+
+@pytest.mark.task("6.2")
+@pytest.mark.parametrize("before,after,pages", [
+    (10, 10, 3),  # nothing rejected
+    (10, 9, 3),  # within the tail page
+    (13, 11, 3),  # across a page boundary: the last page returns
+    (14, 6, 2),  # back to the end of a prompt, two pages away
+])
+def test_rewind_returns_pages_past_the_new_length(before, after, pages):
+    space, seq = space_with(before)
+    space.commit(seq, min(after, 8))  # pages full of accepted tokens may be cached
+    rewind(space, seq, after)
+    bm = space.blocks
+    assert len(bm.tables[seq]) == pages and bm.lengths[seq] == after
+    assert bm.num_free_blocks == 16 - pages
+    bm.check_invariants()
+    assert space.allocate(seq, after + 5)  # and the sequence grows again from there
+    bm.check_invariants()
+
+
+@pytest.mark.task("6.2")
+def test_random_accepts_and_rejects_conserve_pages():
+    """Thousands of speculative steps (grow by the drafts, commit what is accepted, rewind
+    the rest) over several sequences sharing a pool with prefix caching: the accounting
+    stays exact, nothing cached holds a rejected token, and everything comes back."""
+    rng = random.Random(0)
+    bm = BlockManager(64, 4, enable_prefix_caching=True)
+    space = BlockSpace(bm)
+
+    class Seq:
+        def __init__(self, ident: int):
+            self.ids = [ident] * rng.randint(1, 9)
+
+        @property
+        def num_tokens(self):
+            return len(self.ids)
+
+        def token_ids_between(self, start, end):
+            return self.ids[start:end]
+
+    live = []
+    for step in range(3000):
+        if len(live) < 4 and rng.random() < 0.1:
+            seq = Seq(len(live) + step)
+            if space.allocate(seq, seq.num_tokens):
+                space.commit(seq, seq.num_tokens - 1)
+                live.append(seq)
+        if not live:
+            continue
+        seq = rng.choice(live)
+        k = rng.randint(0, 4)
+        if not space.allocate(seq, seq.num_tokens + k):
+            space.free(seq)
+            live.remove(seq)
+            continue
+        accepted = rng.randint(0, k)
+        seq.ids += [rng.randrange(50) for _ in range(accepted + 1)]
+        space.commit(seq, seq.num_tokens - 1)
+        rewind(space, seq, seq.num_tokens - 1)
+        bm.check_invariants()
+        for block in bm.blocks:  # a cached page holds tokens of a sequence, never drafts
+            if block.token_ids is not None:
+                assert len(block.token_ids) == 4
+        if rng.random() < 0.02:
+            space.free(seq)
+            live.remove(seq)
+    for seq in live:
+        space.free(seq)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 64
+
+
+# ---------------------------------------------------------------------------------------
+# The n-gram proposer
+
+
+@pytest.mark.task("6.3")
+def test_ngram_lookup_proposes_what_followed_the_last_occurrence():
+    ngram = NgramProposer(max_n=3)
+    tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7]
+    assert ngram.lookup(tokens, 3) == [8, 9, 1]  # "5 6 7" occurred before: what followed
+    assert ngram.lookup([1, 2, 3, 1, 2, 3, 4, 1, 2], 2) == [3, 4]  # the latest occurrence
+    assert ngram.lookup([1, 2, 3, 4], 3) == []  # no repetition, no proposal
+    assert ngram.lookup([7, 7, 7, 7], 5) == [7]  # never past the end of the sequence
+
+
+# ---------------------------------------------------------------------------------------
+# In the engine
+
+
+def repetitive_prompts(n: int, seed: int) -> list[dict]:
+    """Prompts that repeat themselves, so prompt lookup has something to find."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(100, 40000) for _ in range(rng.randint(3, 8))]
+        out.append({"prompt_token_ids": phrase * rng.randint(2, 4) + phrase[:2]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model():
+    """The target's weights with a little noise: a draft that is right about half the time."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    draft = make_tiny_model()
+    mx.random.seed(3)
+    draft.update(tree_map(lambda p: p + 0.003 * mx.random.normal(p.shape), draft.parameters()))
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.fixture(scope="module")
+def repeater():
+    return make_repeater_model()  # repeats itself: prompt lookup has something to find
+
+
+SCENARIOS = {
+    "alone": dict(n=1, engine=dict(num_pages=128)),
+    "batch": dict(n=6, engine=dict(num_pages=128, max_num_batched_tokens=32)),
+    "preemption": dict(n=6, engine=dict(num_pages=12, page_size=8, max_model_len=64,
+                                        enable_prefix_caching=False)),
+}
+
+
+@pytest.mark.task("6.1", "6.2", "6.3")
+@pytest.mark.parametrize("proposer", ["ngram", "self-draft", "other-draft"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_tokens_are_identical_with_speculation(tiny_model, smollm_tokenizer,
+                                                      other_tiny_model, repeater, proposer,
+                                                      scenario):
+    spec = SCENARIOS[scenario]
+    prompts = repetitive_prompts(spec["n"], seed=len(scenario))
+    shared = [{"prompt_token_ids": prompts[0]["prompt_token_ids"] + [7, 8, 9]}]  # prefix hit
+    prompts = prompts + (shared if spec["n"] > 1 else [])
+    params = [greedy(12)] * len(prompts)
+    target = repeater if proposer == "ngram" else tiny_model
+    expected = tokens_of(LLMEngine(target, smollm_tokenizer, **spec["engine"]), prompts,
+                         params)
+    options = {"ngram": dict(speculative="ngram"),
+               "self-draft": dict(speculative="draft", draft_model=(tiny_model, smollm_tokenizer)),
+               "other-draft": dict(speculative="draft",
+                                   draft_model=(other_tiny_model, smollm_tokenizer))}[proposer]
+    engine = LLMEngine(target, smollm_tokenizer, **spec["engine"], **options,
+                       speculative_max_batch=8)
+    assert tokens_of(engine, prompts, params) == expected
+    stats = engine.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_free_pages"] == stats["num_pages"]
+    if proposer == "self-draft":  # the target drafting for itself is always right
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    elif proposer == "other-draft":  # sometimes right: both branches of the rule are taken
+        assert 0 < stats["num_accepted_tokens"]
+        assert stats["num_accepted_tokens"] < stats["num_draft_tokens"] or scenario == "alone"
+    else:  # the repeater repeats what prompt lookup finds
+        assert stats["num_accepted_tokens"] > 0
+    if scenario == "preemption":
+        assert stats["num_preemptions"] > 0
+    engine.kv.blocks.check_invariants()
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_model, smollm_tokenizer):
+    prompts = repetitive_prompts(3, seed=4)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=10 + i, max_tokens=10,
+                             ignore_eos=True) for i in range(3)]
+    runs = [tokens_of(LLMEngine(tiny_model, smollm_tokenizer, num_pages=128,
+                                speculative="draft", draft_model=(tiny_model, smollm_tokenizer)),
+                      prompts, params) for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
+
+
+def test_speculation_switches_off_when_the_batch_is_full(tiny_model, smollm_tokenizer):
+    from tiny_llm.speculative import SpeculationPolicy
+
+    policy = SpeculationPolicy(num_speculative_tokens=4, max_batch=2)
+    assert [policy.k(n) for n in (1, 2, 3, 16)] == [4, 4, 0, 0]
+    prompts = repetitive_prompts(6, seed=5)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, num_pages=128, speculative="draft",
+                       draft_model=(tiny_model, smollm_tokenizer), speculative_max_batch=2)
+    tokens_of(engine, prompts, [greedy(5)] * 4 + [greedy(25)] * 2)
+    stats = engine.stats()
+    # Four plain decode steps while six run (the prompts take one step), then the last two
+    # requests speculate: 4 drafts and 1 bonus per step, all accepted (a self-draft).
+    assert stats["num_verify_steps"] > 0
+    assert stats["num_steps"] == 1 + 4 + -(-(25 - 5) // 5)
+
+
+def test_bad_speculative_configurations_are_refused(tiny_model, smollm_tokenizer):
+    from tiny_llm.testing.models import make_tiny_model as tiny
+
+    small_vocab = tiny(vocab_size=512)
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        LLMEngine(tiny_model, smollm_tokenizer, speculative="draft",
+                  draft_model=(small_vocab, smollm_tokenizer))
+    with pytest.raises(ValueError, match="go together"):
+        LLMEngine(tiny_model, smollm_tokenizer, speculative="draft")
+    with pytest.raises(ValueError, match="needs kv_cache='paged'"):
+        LLMEngine(tiny_model, smollm_tokenizer, kv_cache="dense", speculative="ngram")
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        LLMEngine(tiny_model, smollm_tokenizer, speculative="yes")
