@@ -18,7 +18,6 @@ import os
 
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
 from tiny_llm import learner
-from tiny_llm.testing.models import make_tiny_model
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -78,4 +77,8 @@ def smollm_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def tiny_model():
+    # Imported here, not above: the model imports moe.py, a course module, which must not be
+    # loaded before pytest_configure has set the learner switch.
+    from tiny_llm.testing.models import make_tiny_model
+
     return make_tiny_model()

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
-CORE = {"model", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
+CORE = {"model", "moe", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
         "extension", "generate", "blas", "learner"}  # fmt: skip
 OPTIONAL = {"speculative"}  # the optional chapters: the core and any day, never the engine
 TOP = {"engine", "cli", "course", "__init__"}

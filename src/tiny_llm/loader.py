@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +119,34 @@ def read_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokeni
             raise FileNotFoundError(f"weight shard {path / name} is missing")
         weights.update(mx.load(str(path / name)))
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    weights = stack_experts(weights, config)
     if "tie_word_embeddings" not in hf_config:  # families disagree on the default: look
         config.tie_word_embeddings = "lm_head.weight" not in weights
     return config, weights, Tokenizer.from_hf_folder(path)
+
+
+def stack_experts(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
+    """Hugging Face stores each expert's matrices apart (``mlp.experts.3.up_proj.weight``);
+    the sparse block holds them stacked (``mlp.switch_mlp.up_proj.weight [E, out, in]``)."""
+    out: dict[str, mx.array] = {}
+    groups: dict[str, dict[int, mx.array]] = {}
+    for name, tensor in weights.items():
+        m = EXPERT_TENSOR.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            stacked = f"{m['stem']}.mlp.switch_mlp.{m['rest']}"
+            groups.setdefault(stacked, {})[int(m["expert"])] = tensor
+    for stacked, experts in groups.items():
+        if set(experts) != set(range(config.num_experts)):
+            missing = sorted(set(range(config.num_experts)) - set(experts))
+            raise ValueError(f"{stacked}: the checkpoint lacks experts {missing[:8]} or has "
+                             f"extra ones; config.json says num_experts={config.num_experts}")
+        out[stacked] = mx.stack([experts[e] for e in range(config.num_experts)])
+    return out
+
+
+EXPERT_TENSOR = re.compile(r"(?P<stem>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<rest>.+)")
 
 
 # ANCHOR: gguf
@@ -141,7 +167,19 @@ GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of Experts (qwen3moe, qwen2moe): experts arrive stacked [E, out, in]
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# llama.cpp's architecture names -> ours
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
@@ -155,8 +193,10 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, mx.array], Tokenizer]:
 
 def gguf_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
     arch = str(meta.get("general.architecture"))
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2, qwen3")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
+                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    model_type = GGUF_ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -166,11 +206,20 @@ def gguf_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
 
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    moe = {}
+    if model_type.endswith("_moe"):
+        moe = dict(num_experts=int(get("expert_count")),
+                   num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length",
+                                                           0)),
+                   # llama.cpp renormalises the top-k weights of Qwen3-MoE, not of Qwen2-MoE
+                   norm_topk_prob=model_type == "qwen3_moe")
     return ModelConfig(
-        model_type=arch,
+        model_type=model_type,
         hidden_size=hidden,
         num_hidden_layers=int(get("block_count")),
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", 0 if moe else None)),
         num_attention_heads=n_heads,
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
         vocab_size=int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
@@ -178,9 +227,10 @@ def gguf_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         tie_word_embeddings=not has_output,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        attention_bias=model_type in ("qwen2", "qwen2_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(get("context_length", 4096)),
+        **moe,
     )
 
 
@@ -284,7 +334,7 @@ def quantization_of(
         want = expected.get(f"{module}.weight")
         if want is None:
             raise ValueError(f"checkpoint has unexpected tensor {name!r}")
-        out_features, in_features = want.shape
+        in_features = want.shape[-1]  # [out, in], or [E, out, in] for stacked experts
         packed = weights[f"{module}.weight"].shape[-1]
         groups = weights[name].shape[-1]
         bits, rem = divmod(packed * 32, in_features)

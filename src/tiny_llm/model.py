@@ -1,6 +1,7 @@
-"""The Qwen-style decoder we serve: Qwen3, Qwen2/Qwen2.5 and Llama (SmolLM2) in one file.
+"""The Qwen-style decoder we serve: Qwen3, Qwen2/Qwen2.5 and Llama (SmolLM2) in one file,
+and their Mixture-of-Experts variants Qwen3-MoE and Qwen2-MoE.
 
-The three families differ in three switches only:
+The dense families differ in three switches only:
 
 - ``qk_norm``: Qwen3 RMS-normalises every query and key head before RoPE;
 - ``attention_bias``: Qwen2 adds biases to the q/k/v projections;
@@ -12,8 +13,10 @@ tokens of every sequence in the step, back to back, with no padding. Attention i
 place where sequences must not mix, so it is delegated to a ``KVCache`` object that knows
 which rows belong to which sequence, stores their keys and values, and attends. The
 chapters swap that object (dense per request, paged + gather, paged kernels); the model
-never changes. Parameter names follow Hugging Face (``model.layers.0.self_attn.q_proj``),
-so checkpoints and mlx-lm's model classes load into it unchanged.
+never changes. An MoE config makes some layers' feed-forward a ``SparseMoeBlock``
+(``moe.py``; ``ModelConfig.is_sparse_layer`` says which). Parameter names follow Hugging
+Face (``model.layers.0.self_attn.q_proj``), so checkpoints and mlx-lm's model classes load
+into it unchanged.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tiny_llm.moe import SparseMoeBlock
+
 import mlx.core as mx
 import mlx.nn as nn
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclass
@@ -46,6 +52,14 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 32768
+    # Mixture of Experts (num_experts == 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +75,27 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.model_type in MOE_MODEL_TYPES:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 1 or self.moe_intermediate_size < 1:
+            raise ValueError(f"{self.model_type} config needs num_experts >= 1 and "
+                             f"moe_intermediate_size >= 1 (got {self.num_experts}, "
+                             f"{self.moe_intermediate_size})")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between "
+                             f"1 and num_experts ({self.num_experts})")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers names layers that do not exist: {bad}")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is a sparse MoE block (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
@@ -82,8 +117,8 @@ class ModelConfig:
         if args.get("rope_scaling") is None and rope_type != "default":
             args["rope_scaling"] = rope_params
         args["model_type"] = model_type
-        args["qk_norm"] = model_type == "qwen3"
-        if model_type == "qwen2":
+        args["qk_norm"] = model_type in ("qwen3", "qwen3_moe")
+        if model_type in ("qwen2", "qwen2_moe"):
             args["attention_bias"] = True
         args["tie_word_embeddings"] = config.get(
             "tie_word_embeddings", model_type != "llama"
@@ -204,12 +239,26 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# ANCHOR: feed_forward
+def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    """A dense SwiGLU MLP, or a sparse MoE block where the config makes ``layer`` sparse."""
+    if not config.is_sparse_layer(layer):
+        return MLP(config.hidden_size, config.intermediate_size)
+    shared = config.shared_expert_intermediate_size
+    return SparseMoeBlock(
+        config.hidden_size, config.num_experts, config.num_experts_per_tok,
+        config.moe_intermediate_size, config.norm_topk_prob,
+        shared_expert=MLP(config.hidden_size, shared) if shared else None,
+    )
+# ANCHOR_END: feed_forward
+
+
 # ANCHOR: block
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = feed_forward(config, layer)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

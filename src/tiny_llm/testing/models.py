@@ -92,6 +92,12 @@ def hf_config_of(model: Model) -> dict:
               "tie_word_embeddings": c.tie_word_embeddings}  # fmt: skip
     if c.model_type == "llama":
         config["attention_bias"] = c.attention_bias
+    if c.num_experts:
+        config.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                      moe_intermediate_size=c.moe_intermediate_size,
+                      shared_expert_intermediate_size=c.shared_expert_intermediate_size,
+                      norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step,
+                      mlp_only_layers=c.mlp_only_layers)
     return config
 
 
