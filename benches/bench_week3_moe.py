@@ -12,10 +12,11 @@ Models (random float32 weights, built here; the SmolLM2 tokenizer):
 
 Measurements, rounds interleaved, median and spread:
 
-1. Output tok/s serving 1 and 16 requests (64-token prompts, 32 greedy tokens each), MoE
-   with the gathered matmul (``mx.gather_mm``), MoE with one matmul per active expert, and
-   the dense twin.
-2. The sparse block alone on T token rows (1, 16, 256): gathered matmul vs per-expert loop.
+1. Output tok/s serving 1 and 16 requests (64-token prompts, 32 greedy tokens each): the
+   MoE with the default dispatch ("auto"), with the gathered matmul (``mx.gather_mm``) for
+   every step, with one matmul per active expert for every step, and the dense twin.
+2. The sparse block alone on T token rows (1 to 256): gathered matmul, per-expert loop, and
+   the default's choice (where the crossover lies: ``LOOP_MIN_ROWS_PER_EXPERT``).
 3. Where a step's time goes (mid model, 16 rows, one decode step): routing (router matmul,
    softmax, top-k), dispatch (sort and gather), the experts, combine, as a share of the
    whole forward.
@@ -33,7 +34,7 @@ import time
 from typing import Any
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.moe import SparseMoeBlock, combine, dispatch, route
+from tiny_llm.moe import LOOP_MIN_ROWS_PER_EXPERT, SparseMoeBlock, combine, dispatch, route
 from tiny_llm.testing.models import make_tiny_model
 
 import mlx.core as mx
@@ -46,7 +47,7 @@ SHAPES = {
                 num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
                 moe_intermediate_size=256),
 }
-PROMPT, MAX_TOKENS, BATCHES, ROWS = 64, 32, (1, 16), (1, 16, 256)
+PROMPT, MAX_TOKENS, BATCHES, ROWS = 64, 32, (1, 16), (1, 4, 8, 16, 32, 64, 256)
 
 
 def models(shape: dict[str, Any]):
@@ -72,18 +73,18 @@ def serve(model, tokenizer, batch: int, seed: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-def set_loop(model, loop: bool) -> None:
+def set_mode(model, mode: str) -> None:
     for block in sparse_blocks(model):
-        block.per_expert_loop = loop
+        block.dispatch_mode = mode
 
 
 def block_times(block: SparseMoeBlock, rows: int) -> dict[str, float]:
     x = mx.random.normal((rows, block.gate.weight.shape[1]))
     out = {}
-    for loop in (False, True):
-        block.per_expert_loop = loop
-        out["loop" if loop else "gather"] = measure(lambda: block(x), repeats=7).median
-    block.per_expert_loop = False
+    for mode in ("gather", "loop", "auto"):
+        block.dispatch_mode = mode
+        out[mode] = measure(lambda: block(x), repeats=7).median
+    block.dispatch_mode = "auto"
     return out
 
 
@@ -116,7 +117,9 @@ def main() -> None:
     _, tokenizer, _ = load_model(True)
     names = ["tiny"] if args.quick else ["tiny", "mid"]
     pairs = {name: models(SHAPES[name]) for name in names}
-    variants = ["MoE, gathered matmul", "MoE, per-expert loop", "dense twin"]
+    variants = ["MoE, auto (default)", "MoE, gathered matmul", "MoE, per-expert loop",
+                "dense twin"]
+    modes = dict(zip(variants, ["auto", "gather", "loop", "auto"], strict=True))
     speed: dict[str, list[float]] = {}
     counts: dict[str, np.ndarray] = {}
     for r in range(args.rounds):
@@ -125,10 +128,10 @@ def main() -> None:
                 order = variants if r % 2 == 0 else variants[::-1]
                 for variant in order:
                     model = dense if variant == "dense twin" else moe
-                    set_loop(moe, variant == "MoE, per-expert loop")
+                    set_mode(moe, modes[variant])
                     speed.setdefault(f"{name}|{batch}|{variant}", []).append(
                         serve(model, tokenizer, batch, seed=r))
-                set_loop(moe, False)
+                set_mode(moe, "auto")
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     for name, (moe, _) in pairs.items():  # untimed: observing reads routing on the host
         counts[name] = record_load(moe)
@@ -145,12 +148,9 @@ def main() -> None:
                 tps = speed[f"{name}|{batch}|{variant}"]
                 data1[f"{name}|{batch}|{variant}"] = spread(tps)
                 row.append(statistics.median(tps))
-            ratio = [a / b for a, b in zip(speed[f"{name}|{batch}|{variants[0]}"], base,
-                                           strict=True)]
-            loop_ratio = [a / b for a, b in zip(speed[f"{name}|{batch}|{variants[0]}"],
-                                                speed[f"{name}|{batch}|{variants[1]}"],
-                                                strict=True)]
-            row += [statistics.median(ratio), statistics.median(loop_ratio)]
+            auto = speed[f"{name}|{batch}|{variants[0]}"]
+            for other in (base, speed[f"{name}|{batch}|{variants[1]}"]):
+                row.append(statistics.median([a / b for a, b in zip(auto, other, strict=True)]))
             rows1.append(row)
 
     big = names[-1]
@@ -159,19 +159,23 @@ def main() -> None:
     for rows in ROWS:
         t = block_times(blocks[0], rows)
         data2[rows] = t
-        rows2.append([rows, t["gather"] * 1e3, t["loop"] * 1e3, t["loop"] / t["gather"]])
+        rows2.append([rows, rows * blocks[0].top_k / blocks[0].num_experts, t["gather"] * 1e3,
+                      t["loop"] * 1e3, t["auto"] * 1e3, t["loop"] / t["gather"]])
     ph = phases(pairs[big][0], 16)
     rows3 = [[k, v * 1e3, v / ph["forward"]] for k, v in ph.items()]
 
     tables = [
         Table("1. Output tok/s: MoE against its dense twin (same active parameters)",
-              ["model", "requests", *variants, "gathered × dense", "gathered × loop"],
-              rows1, ["", "", ".1f", ".1f", ".1f", ".2f", ".2f"],
+              ["model", "requests", *variants, "auto × dense", "auto × gathered"],
+              rows1, ["", "", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f"],
               f"{PROMPT}-token prompts, {MAX_TOKENS} greedy tokens each, paged KV and tiled "
               "attention (the engine's defaults); median over rounds."),
         Table(f"2. One sparse block ({big}) on T rows: milliseconds",
-              ["rows", "gathered matmul", "per-expert loop", "loop / gathered"],
-              rows2, ["", ".3f", ".3f", ".2f"], "median of 7 calls after a warmup."),
+              ["rows", "rows per expert", "gathered matmul", "per-expert loop", "auto",
+               "loop / gathered"],
+              rows2, ["", ".2f", ".3f", ".3f", ".3f", ".2f"],
+              "median of 7 calls after a warmup; auto loops from "
+              f"{LOOP_MIN_ROWS_PER_EXPERT} rows per expert (on the CPU)."),
         Table(f"3. A 16-row forward of the {big} model: time per phase, all sparse layers",
               ["phase", "ms", "share of the forward"], rows3, ["", ".3f", ".1%"],
               "each phase timed on its own (so the shares need not add up to 100%)."),

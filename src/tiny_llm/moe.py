@@ -8,9 +8,10 @@ smaller dense model costs. Three steps, each independent of the cache and the sc
    experts of each row and their probabilities, renormalised to sum to one when the
    checkpoint says ``norm_topk_prob``.
 2. **Dispatch** (``dispatch``): the ``T*k`` (row, expert) assignments are sorted by expert,
-   so that each expert's rows are contiguous; the rows are gathered in that order. One
-   gathered matmul (``mx.gather_mm``) then multiplies every row by its expert's weights,
-   reading each expert's matrices once per step (``Experts``).
+   so that each expert's rows are contiguous; the rows are gathered in that order. Then
+   either one gathered matmul (``mx.gather_mm``) multiplies every row by its expert's
+   weights, or a loop runs one plain matmul per active expert over its slice of rows
+   (``Experts``). Which one is a measured choice (``SparseMoeBlock.dispatch_mode``).
 3. **Combine** (``combine``): the expert outputs are put back in assignment order and each
    row's ``k`` outputs are summed with the routing weights, in the router's order. A row's
    sum reads only its own ``k`` outputs: rows of different requests never mix.
@@ -120,6 +121,13 @@ class QuantizedExpertLinear(nn.Module):
                             bits=self.bits, sorted_indices=True)
         return out[:, 0, :]
 
+    def grouped(self, rows: mx.array, bounds: list[tuple[int, int, int]]) -> mx.array:
+        parts = [mx.quantized_matmul(rows[s:e], self.weight[expert], self.scales[expert],
+                                     self.biases[expert], transpose=True,
+                                     group_size=self.group_size, bits=self.bits)
+                 for expert, s, e in bounds]
+        return mx.concatenate(parts, axis=0)
+
 
 class Experts(nn.Module):
     """The ``E`` SwiGLU experts of a sparse layer, applied to rows grouped by expert."""
@@ -153,6 +161,25 @@ def expert_bounds(sorted_ids: mx.array) -> list[tuple[int, int, int]]:
     return bounds
 
 
+# ANCHOR: dispatch_choice
+# On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get a few
+# rows each (prefill chunks); with about one row per expert (decode) the gathered matmul wins
+# (benches/bench_week3_moe.py, table 2). On a GPU the gathered matmul is the fast path.
+LOOP_MIN_ROWS_PER_EXPERT = 4
+
+
+def use_loop(mode: str, assignments: int, num_experts: int) -> bool:
+    """Whether ``mode`` ("auto", "gather" or "loop") runs the per-expert loop for a step of
+    ``assignments`` (row, expert) pairs."""
+    if mode == "auto":
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        return on_cpu and assignments >= LOOP_MIN_ROWS_PER_EXPERT * num_experts
+    if mode not in ("gather", "loop"):
+        raise ValueError(f"dispatch_mode must be 'auto', 'gather' or 'loop', got {mode!r}")
+    return mode == "loop"
+# ANCHOR_END: dispatch_choice
+
+
 # ANCHOR: sparse_block
 class SparseMoeBlock(nn.Module):
     """Route, dispatch, run the experts, combine; plus the gated shared expert if any."""
@@ -166,7 +193,8 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert = shared_expert
             self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
-        self.per_expert_loop = False  # the benchmark's alternative dispatch
+        self.num_experts = num_experts
+        self.dispatch_mode = "auto"  # or "gather" / "loop" (the benchmark compares them)
         self.observer: Callable[[Routing], None] | None = None  # sees each step's routing
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -174,7 +202,8 @@ class SparseMoeBlock(nn.Module):
         if self.observer is not None:
             self.observer(routing)
         grouped = dispatch(x, routing.experts)
-        run = self.switch_mlp.per_expert if self.per_expert_loop else self.switch_mlp
+        loop = use_loop(self.dispatch_mode, grouped.expert_ids.size, self.num_experts)
+        run = self.switch_mlp.per_expert if loop else self.switch_mlp
         out = combine(run(grouped.rows, grouped.expert_ids), grouped.order, routing.weights)
         if "shared_expert" in self:
             out = out + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
