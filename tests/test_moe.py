@@ -248,7 +248,7 @@ def test_per_expert_loop_equals_the_gathered_matmul(bits):
 
 
 def test_auto_dispatch_loops_over_experts_only_when_they_get_rows_on_the_cpu():
-    assert not use_loop("auto", 8, 8) and use_loop("auto", 32, 8)
+    assert not use_loop("auto", 8, 8) and use_loop("auto", 16, 8)
     assert use_loop("loop", 1, 8) and not use_loop("gather", 1000, 8)
 
 

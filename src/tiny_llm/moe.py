@@ -162,10 +162,11 @@ def expert_bounds(sorted_ids: mx.array) -> list[tuple[int, int, int]]:
 
 
 # ANCHOR: dispatch_choice
-# On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get a few
-# rows each (prefill chunks); with about one row per expert (decode) the gathered matmul wins
+# On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get two
+# or more rows each (prefill chunks); at one row per expert or fewer (decode) the gathered
+# matmul wins
 # (benches/bench_week3_moe.py, table 2). On a GPU the gathered matmul is the fast path.
-LOOP_MIN_ROWS_PER_EXPERT = 4
+LOOP_MIN_ROWS_PER_EXPERT = 2
 
 
 def use_loop(mode: str, assignments: int, num_experts: int) -> bool:
