@@ -15,6 +15,16 @@ Configurations, all with float32 activations, SmolLM2-135M-Instruct (GGUF) weigh
   (the loop its ``stream_generate`` wraps; we call it directly because ``stream_generate``
   stops at EOS, and greedy SmolLM2 may emit EOS before 128 tokens).
 
+Serving contention (configurations (c) and (cN) only): the same process then serves
+``--serve-requests`` (8) requests at once through ``LLMEngine`` (engine defaults: paged KV,
+the tiled kernel on its worker threads, chunked prefill; prefix caching off), prompts of
+``prompt-tokens / 4`` (at least 32) tokens and ``decode-tokens / 4`` (at least 8) new
+tokens each (greedy, ``ignore_eos``). Reported: output tok/s (all new tokens / wall time),
+the median decode step, TTFT p50. OpenBLAS one thread vs every core is thus recorded both
+for a single stream and under serving, where OpenBLAS's spinning workers compete with MLX's
+stream thread and the kernels' workers: the contention the one-thread default is chosen
+for.
+
 What is timed, the same way for everyone: one greedy request with a ``--prompt-tokens``
 (512) prompt and ``--decode-tokens`` (128) new tokens. Ours runs through
 ``tiny_llm.generate.stream_generate`` (model + ``DenseKVCache`` + sampler + detokenizer:
@@ -26,20 +36,26 @@ mlx-lm's ``prompt_tps`` and ``generation_tps``, except that mlx-lm divides by on
 too many. Each measured request follows a short warmup request in the same process.
 
 OpenBLAS is interposed at ``import tiny_llm`` and cannot be undone, so every configuration
-runs in a fresh subprocess of this script (``--config X`` prints one JSON line). Repeats are
-interleaved (a, b, c, mlxlm, a, b, c, mlxlm, ...) so that a noisy neighbour hurts them all
-alike; ratios to (c) are computed within each round and their median is reported. (a) and
-(b) take minutes per run, so they run in the first ``--slow-repeats`` rounds only (default
-1: they are 7-50x slower than (c), so noise does not change their story; pass
-``--slow-repeats 3`` on a quiet machine).
+runs in a fresh subprocess of this script (``--config X`` prints one JSON line). Rounds
+are interleaved (``--rounds``, default 3; every configuration once per round, the order
+reversed every other round) so that a noisy neighbour hurts them all alike; ratios to (c)
+are computed within each round and their median is reported (the JSON keeps every
+round's values). (a) and (b) take minutes per run,
+so they run in the first ``--slow-rounds`` rounds only (default 1: they are 7-50x slower
+than (c), so noise does not change their story; pass ``--slow-rounds 3`` on a quiet
+machine).
 
 Decode bound: decode reads every weight once per token (the tied embedding as the LM
 head's matrix, plus one row for the lookup). Bytes read per token / copy bandwidth (a
 256 MB numpy copy, counting bytes read + written) gives the bound in tok/s, if decode
 were limited by memory bandwidth alone. K/V reads are left out (about 5% at this length).
 
-    python benches/bench_model.py            # full run: about 7 minutes on 2 cores
+    python benches/bench_model.py            # full run: about 10 minutes on 2 cores
     python benches/bench_model.py --quick    # smoke run, writes bench_model_quick.*
+
+``--quick`` keeps the default model but shrinks the workload (64-token prompt, 8 new
+tokens, 4 served requests), skips (a) and (b) unless ``--slow-rounds`` is given, and runs
+one round unless ``--rounds`` is given.
 """
 
 from __future__ import annotations
@@ -54,7 +70,17 @@ import time
 from typing import Any
 
 import numpy as np
-from common import Table, greedy, measure, mlx_lm_model, openblas_threads, save_results
+from common import (
+    Table,
+    bench_parser,
+    greedy,
+    measure,
+    mlx_lm_model,
+    openblas_threads,
+    percentile,
+    save_results,
+    spread,
+)
 
 CONFIGS = {
     "a": "(a) quantized weights",
@@ -71,6 +97,7 @@ FIGURE_LABELS = {
     "mlxlm": "mlx-lm, float32\n+ OpenBLAS",
 }
 SLOW = ("a", "b")
+SERVED = ("c", "cN")  # OpenBLAS one thread vs every core, also under serving contention
 PROMPT_TEXT = (
     "The history of computing is a story of trade-offs between memory and arithmetic. "
     "Early machines stored programs on punched cards, and every instruction had to be "
@@ -106,7 +133,46 @@ def timed_tokens(stream: Any) -> tuple[list[float], list[int]]:
     return stamps, tokens
 
 
-def worker(config: str, n_prompt: int, n_decode: int) -> dict[str, Any]:
+def serve(model: Any, tokenizer: Any, n_requests: int, n_prompt: int,
+          n_decode: int) -> dict[str, Any]:
+    """``n_requests`` requests at once through the engine (defaults, prefix caching off):
+    output tok/s, the median decode step and TTFT p50, wall-clock."""
+    from tiny_llm.engine import LLMEngine
+
+    ids = prompt_ids(tokenizer, n_prompt + 7 * n_requests)
+    prompts = [ids[7 * i : 7 * i + n_prompt] for i in range(n_requests)]
+    engine = LLMEngine(model, tokenizer, max_num_seqs=n_requests, enable_prefix_caching=False,
+                       max_model_len=-(-(n_prompt + n_decode) // 16) * 16)
+    start = time.perf_counter()
+    rids = [engine.add_request(p, greedy(n_decode)) for p in prompts]
+    first: dict[str, float] = {}
+    decode_steps, generated = [], 0
+    while engine.has_unfinished_requests():
+        computed = engine.stats()["num_prompt_tokens_computed"]
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if engine.stats()["num_prompt_tokens_computed"] == computed:
+            decode_steps.append(now - t0)
+        for out in outputs:
+            generated += len(out.new_token_ids)
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now - start)
+    wall = time.perf_counter() - start
+    if generated != n_requests * n_decode or len(first) != len(rids):
+        raise RuntimeError(f"served {generated} tokens, expected {n_requests * n_decode}")
+    return {
+        "requests": n_requests,
+        "prompt_tokens": n_prompt,
+        "decode_tokens": n_decode,
+        "wall_s": wall,
+        "tok_s": generated / wall,
+        "decode_step_ms": 1e3 * statistics.median(decode_steps),
+        "ttft_p50_s": percentile(list(first.values()), 50),
+    }
+
+
+def worker(config: str, n_prompt: int, n_decode: int, n_serve: int) -> dict[str, Any]:
     from tiny_llm.blas import openblas_loaded
     from tiny_llm.generate import stream_generate
     from tiny_llm.loader import load
@@ -138,6 +204,11 @@ def worker(config: str, n_prompt: int, n_decode: int) -> dict[str, Any]:
         raise RuntimeError(f"{config}: generated {len(tokens)} tokens, expected {n_decode}")
     c = model.config if config != "mlxlm" else model.args
     params = dict(tree_flatten(model.parameters()))
+    served = None
+    if config in SERVED and n_serve:
+        serve(model, tokenizer, 2, 16, 2)  # warmup: the engine's first steps
+        served = serve(model, tokenizer, n_serve, max(32, n_prompt // 4),
+                       max(8, n_decode // 4))
     return {
         "config": config,
         "openblas": openblas_loaded(),
@@ -148,6 +219,7 @@ def worker(config: str, n_prompt: int, n_decode: int) -> dict[str, Any]:
         "decode_tok_s": (n_decode - 1) / (stamps[-1] - stamps[0]),
         "bytes_per_token": decode_bytes_per_token(params, c.vocab_size, c.tie_word_embeddings),
         "tokens": tokens,
+        "serve": served,
     }
 
 
@@ -163,7 +235,8 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     if config == "cN":
         env["OPENBLAS_NUM_THREADS"] = str(os.cpu_count())
     cmd = [sys.executable, os.path.abspath(__file__), "--config", config,
-           "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens)]
+           "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
+           "--serve-requests", str(args.serve_requests)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
@@ -220,8 +293,65 @@ def summarize(rounds: list[dict[str, Any]], bandwidths: list[float]) -> dict[str
             "greedy_tokens_equal_to_c": min(
                 (leading_matches(x["tokens"], c["tokens"]) for x, c in paired), default=None
             ),
+            "prefill_tok_s_spread": spread([r["prefill_tok_s"] for r in runs]),
+            "decode_tok_s_spread": spread([r["decode_tok_s"] for r in runs]),
         }
+        if runs[0].get("serve"):
+            summary[config]["serve"] = {
+                k: spread([r["serve"][k] for r in runs])
+                for k in ("tok_s", "decode_step_ms", "ttft_p50_s")
+            }
     return summary
+
+
+THREAD_ROWS = (  # (label, where, key)
+    ("single stream: prefill tok/s", None, "prefill_tok_s"),
+    ("single stream: decode tok/s", None, "decode_tok_s"),
+    ("serving: output tok/s", "serve", "tok_s"),
+    ("serving: decode step ms", "serve", "decode_step_ms"),
+    ("serving: TTFT p50 s", "serve", "ttft_p50_s"),
+)
+
+
+def threads_table(rounds: list[dict[str, Any]], data: dict[str, Any]) -> Table | None:
+    """OpenBLAS on one thread (c) vs every core (cN), alone and under serving contention:
+    medians, and the median of the per-round ratios cN / c."""
+    paired = [(r["c"], r["cN"]) for r in rounds if "c" in r and "cN" in r]
+    if not paired:
+        return None
+
+    def value(run: dict[str, Any], where: str | None, key: str) -> float | None:
+        part = run if where is None else run.get(where)
+        return None if part is None else part[key]
+
+    rows = []
+    for label, where, key in THREAD_ROWS:
+        pairs = [(value(c, where, key), value(n, where, key)) for c, n in paired]
+        if any(a is None or b is None for a, b in pairs):
+            continue
+        one = statistics.median(a for a, _ in pairs)
+        every = statistics.median(b for _, b in pairs)
+        rows.append([label, one, every, statistics.median(b / a for a, b in pairs)])
+    threads = paired[0][1]["openblas_threads"]
+    serve = paired[0][0].get("serve") or {}
+    return Table(
+        title="OpenBLAS on one thread (c) vs every core (cN): one stream, and serving "
+        f"{serve.get('requests', '–')} requests at once",
+        headers=["measure", "OpenBLAS 1 thread", f"OpenBLAS {threads} threads",
+                 f"{threads} threads / 1 thread"],
+        rows=rows,
+        formats=["", ".2f", ".2f", ".2f"],
+        note=(
+            "Single stream: the batch-1 request of the table above. Serving: "
+            f"{serve.get('requests')} requests at once through LLMEngine (paged KV, tiled "
+            f"kernel on its worker threads, chunked prefill, prefix caching off), prompts of "
+            f"{serve.get('prompt_tokens')} tokens, {serve.get('decode_tokens')} new tokens "
+            "each, greedy; output tok/s = new tokens / wall time; decode step: median over "
+            "steps that compute no prompt token. Same float32 weights, fresh process per "
+            f"configuration; medians over {len(paired)} round(s), the ratio the median of "
+            "per-round ratios (above 1: every core is better for tok/s, worse for ms and s)."
+        ),
+    )
 
 
 def make_table(summary: dict[str, Any], data: dict[str, Any]) -> Table:
@@ -293,37 +423,49 @@ def make_figure(summary: dict[str, Any], n_prompt: int) -> Any:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short smoke run (bench_model_quick)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--slow-repeats", type=int, default=1,
-                    help="rounds that include the slow configurations (a) and (b) (default 1)")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--slow-rounds", type=int, default=None,
+                    help="rounds that include the slow configurations (a) and (b) "
+                    "(default 1; quick: 0)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="subset, e.g. c,mlxlm")
     ap.add_argument("--out", help="results name (default bench_model, or bench_model_quick)")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="default 512 (quick: 64)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="default 128 (quick: 8)")
+    ap.add_argument("--serve-requests", type=int, default=None,
+                    help="requests served at once by (c) and (cN) (default 8; quick: 4; 0: none)")
     ap.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
+    quick = args.quick
+    args.prompt_tokens = args.prompt_tokens or (64 if quick else 512)
+    args.decode_tokens = args.decode_tokens or (8 if quick else 128)
+    if args.serve_requests is None:
+        args.serve_requests = 4 if quick else 8
     if args.config:
-        print(json.dumps(worker(args.config, args.prompt_tokens, args.decode_tokens)))
+        print(json.dumps(worker(args.config, args.prompt_tokens, args.decode_tokens,
+                                args.serve_requests)))
         return
-    if args.quick:
-        args.repeats, args.slow_repeats, args.prompt_tokens, args.decode_tokens = 1, 1, 128, 16
+    if quick and "--rounds" not in sys.argv:
+        args.rounds = 1
+    if args.slow_rounds is None:
+        args.slow_rounds = 0 if quick else 1
     configs = args.configs.split(",")
-    slow_rounds = min(args.repeats, args.slow_repeats)
+    slow_rounds = min(args.rounds, args.slow_rounds)
 
     t0 = time.perf_counter()
     rounds: list[dict[str, Any]] = []
     bandwidths, loads = [], []  # loads: 1-minute load average after each round
-    for r in range(args.repeats):
+    for r in range(args.rounds):
         results: dict[str, Any] = {}
-        for config in configs:
+        order = configs if r % 2 == 0 else configs[::-1]
+        for config in order:
             if config in SLOW and r >= slow_rounds:
                 continue
             results[config] = run_config(config, args)
+            served = results[config]["serve"]
             print(f"[{time.perf_counter() - t0:6.0f}s] round {r + 1}: {config:5s} "
                   f"prefill {results[config]['prefill_tok_s']:7.1f} tok/s, "
-                  f"decode {results[config]['decode_tok_s']:6.2f} tok/s", flush=True)
+                  f"decode {results[config]['decode_tok_s']:6.2f} tok/s"
+                  + (f", serving {served['tok_s']:6.1f} tok/s" if served else ""), flush=True)
         bandwidths.append(copy_bandwidth())
         loads.append(os.getloadavg()[0])
         rounds.append(results)
@@ -332,17 +474,25 @@ def main() -> None:
     data = {
         "settings": {"model": "SmolLM2-135M-Instruct.Q4_1.gguf (default_model_path())",
                      "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                     "serve_requests": args.serve_requests,
                      "batch": 1, "sampling": "greedy", "activations": "float32"},
-        "rounds": args.repeats,
+        "rounds": args.rounds,
         "slow_rounds": slow_rounds,
         "copy_bandwidth_GBps": statistics.median(bandwidths) / 1e9,
         "copy_bandwidth_GBps_all": [b / 1e9 for b in bandwidths],
         "load_avg_1m_after_each_round": loads,
         "configs": summary,
+        "per_round": [{k: {f: v for f, v in x.items() if f != "tokens"} for k, x in r.items()}
+                      for r in rounds],
         "wall_s": time.perf_counter() - t0,
     }
-    name = args.out or ("bench_model_quick" if args.quick else "bench_model")
-    save_results(name, data, [make_table(summary, data)], make_figure(summary, args.prompt_tokens))
+    tables = [make_table(summary, data)]
+    threads = threads_table(rounds, data)
+    if threads is not None:
+        tables.append(threads)
+    name = args.out or ("bench_model_quick" if quick else "bench_model")
+    save_results(name, data, tables, make_figure(summary, args.prompt_tokens),
+                 rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ step, and that step also samples its first token. The only difference between th
 engines is ``scheduler="static"`` (admit only when the whole previous batch has finished)
 vs ``"continuous"`` (admit whenever a slot is free).
 
-What is reported, per policy (median over ``--repeats`` rounds; the two policies alternate
-within a round, in alternating order, so a noisy neighbour hurts both alike):
+What is reported, per policy (median over ``--rounds`` rounds, default 3, with the min and
+max across rounds; the two policies alternate within a round, in alternating order, so a
+noisy neighbour hurts both alike):
 
 - output tok/s: generated tokens / wall time from the first ``engine.step()`` to the last;
 - steps: ``engine.stats()["num_steps"]``, next to the model-free prediction of
@@ -32,13 +33,12 @@ OpenBLAS runs on one thread (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREAD
 with two threads on a shared 2-core machine, a busy neighbour makes its spinning threads
 5-10x slower and very noisy.
 
-    python benches/bench_week3_day1.py          # ~2-3 minutes
-    python benches/bench_week3_day1.py --quick  # tiny random model
+    python benches/bench_week3_day1.py          # ~3-4 minutes on 2 cores
+    python benches/bench_week3_day1.py --quick  # tiny random model, writes *_quick.*
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -48,7 +48,16 @@ from tiny_llm.day1_batching import continuous_batching_steps, static_batching_st
 from tiny_llm.engine import LLMEngine
 
 import numpy as np
-from common import Recorder, Table, greedy, load_model, percentile, save_results
+from common import (
+    Recorder,
+    Table,
+    bench_parser,
+    greedy,
+    load_model,
+    percentile,
+    save_results,
+    spread,
+)
 
 POLICIES = ("static", "continuous")
 MAX_NUM_SEQS = 8
@@ -155,13 +164,11 @@ def plot(recs: dict[str, Recorder], runs: dict[str, dict], out_lens: list[int]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny random model, small workload")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds (default 2; quick: 3)")
-    ap.add_argument("--requests", type=int, default=None, help="requests (default 32)")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests (default 32; quick: 16)")
     args = ap.parse_args()
-    repeats = args.repeats or (3 if args.quick else 2)
+    repeats = args.rounds
     t_start = time.perf_counter()
 
     model, tokenizer, model_name = load_model(args.quick)
@@ -189,17 +196,21 @@ def main() -> None:
     def med(policy: str, key: str) -> float:
         return statistics.median(rnd[policy][key] for rnd in rounds)
 
-    def ratio(key: str, invert: bool = False) -> float:
-        vals = [rnd["continuous"][key] / rnd["static"][key] for rnd in rounds]
-        return statistics.median(1 / v if invert else v for v in vals)
-
     keys = list(rounds[0]["static"])
     summary = {p: {k: med(p, k) for k in keys} for p in POLICIES}
+    spreads = {p: {k: spread([rnd[p][k] for rnd in rounds]) for k in keys} for p in POLICIES}
+    ratios = {k: spread([rnd["continuous"][k] / rnd["static"][k] for rnd in rounds])
+              for k in keys}
+
+    def ratio(key: str) -> float:
+        return ratios[key]["median"]
     policy_rows = []
     for p in POLICIES:
         s = summary[p]
+        tps = spreads[p]["tok_per_s"]
         policy_rows.append([
-            p, s["tok_per_s"], s["steps"], predicted[p].steps, s["wasted_slot_steps"],
+            p, s["tok_per_s"], tps["min"], tps["max"], s["steps"], predicted[p].steps,
+            s["wasted_slot_steps"],
             predicted[p].wasted_slot_steps, s["ms_per_step"], s["latency_p50_s"],
             s["latency_p99_s"], s["ttft_p50_s"], s["wall_s"],
         ])
@@ -208,17 +219,17 @@ def main() -> None:
         Table(
             f"Static vs continuous batching: {len(out_lens)} requests at t=0, "
             f"max_num_seqs={MAX_NUM_SEQS}, {model_name}",
-            ["policy", "output tok/s", "steps", "predicted steps", "wasted slot-steps",
-             "predicted wasted", "ms/step", "latency p50 (s)", "latency p99 (s)",
-             "TTFT p50 (s)", "wall (s)"],
+            ["policy", "output tok/s", "min", "max", "steps", "predicted steps",
+             "wasted slot-steps", "predicted wasted", "ms/step", "latency p50 (s)",
+             "latency p99 (s)", "TTFT p50 (s)", "wall (s)"],
             policy_rows,
-            ["", ".1f", ".0f", "", ".0f", "", ".0f", ".2f", ".2f", ".2f", ".1f"],
+            ["", ".1f", ".1f", ".1f", ".0f", "", ".0f", "", ".0f", ".2f", ".2f", ".2f", ".1f"],
             note=(
                 f"Output lengths {min(out_lens)}-{max(out_lens)} tokens ({n_long} long), "
                 f"{sum(out_lens)} in all; prompts 16-96 tokens. Chunked prefill off, budget "
                 f"{BUDGET} (never binds), dense KV. Predicted = model-free "
                 "`static_batching_steps` / `continuous_batching_steps`. Medians of "
-                f"{repeats} interleaved round(s)."
+                f"{repeats} interleaved round(s); min and max of output tok/s across rounds."
             ),
         ),
         Table(
@@ -235,7 +246,6 @@ def main() -> None:
     data = {
         "model": model_name,
         "quick": args.quick,
-        "repeats": repeats,
         "config": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET,
                    "enable_chunked_prefill": False, "kv_cache": "dense"},
         "workload": {"prompt_lens": [len(p) for p in prompts], "output_lens": out_lens,
@@ -243,13 +253,16 @@ def main() -> None:
         "predicted": {p: vars(predicted[p]) for p in POLICIES},
         "rounds": rounds,
         "summary": summary,
+        "spread": spreads,
+        "continuous_over_static": ratios,
         "timeline": {p: [{str(k): v for k, v in s.items()} for s in recs[p].step_slots]
                      for p in POLICIES},
         "bench_wall_s": None,
     }
     fig = plot(recs, summary, out_lens)
     data["bench_wall_s"] = time.perf_counter() - t_start
-    save_results("bench_week3_day1" + ("_quick" if args.quick else ""), data, tables, fig)
+    save_results("bench_week3_day1" + ("_quick" if args.quick else ""), data, tables, fig,
+                 rounds=repeats)
     print(f"bench wall time {data['bench_wall_s']:.0f} s")
 
 

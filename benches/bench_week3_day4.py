@@ -1,61 +1,67 @@
 """Week 3, Day 4: attention that reads the pages in place, against gathering them first.
 
 Three measurements, each running the configurations it compares side by side in one run,
-interleaved (the order rotates from repeat to repeat), reporting medians and ratios:
+interleaved (the order rotates from call to call), reporting medians and ratios:
 
 1. **Decode attention, one layer** (SmolLM2-135M's head config: 9 query heads, 3 KV heads,
    head_dim 64; float32; page_size 16). Every sequence of the batch has the same context
    length and its pages are a random permutation of the pool (shuffled, as after churn).
-   One query token per sequence. Five ways to compute the same output:
+   One query token per sequence. The same output computed these ways:
 
-   - ``day3 gather``: what Day 3's ``PagedBatchKV.attend`` does after its write: for each
-     sequence, ``PagePool.gather`` copies its K/V rows into a dense array, then
+   - ``day3 gather``: what Day 3's ``GatherAttention.attend`` does after its write: for
+     each sequence, ``PagePool.gather`` copies its K/V rows into a dense array, then
      ``causal_attention``; the outputs are concatenated;
-   - ``reference walk``: ``paged_attention_reference`` (MLX ops, one page column per
+   - ``MLX reference walk``: ``paged_attention_reference`` (MLX ops, one page column per
      iteration, online softmax);
-   - ``kernel``: ``paged_attention`` (the extension's CPU schedules on its persistent
-     worker pool, one thread per core, when the work is large enough), and ``kernel (1
-     thread)``, the same op after ``extension().set_num_threads(1)``;
+   - ``vector kernel``: ``paged_attention`` (the extension's vector schedule, ``tiled=False``,
+     on its persistent CPU worker pool), once with the pool limited to **1 thread** and once
+     with **every core** (``extension().set_num_threads(n)``, the process-wide setting the
+     op reads when it runs; the pool uses several threads only when the work is large
+     enough, about 2e5 flops per thread);
    - ``mx.fast``: ``mx.fast.scaled_dot_product_attention`` on K/V gathered *beforehand*
      into dense ``[B, Hkv, L, D]`` arrays (GQA handled by MLX): the floor with no gather.
+     It runs on MLX's single CPU stream thread (its matmuls through OpenBLAS, one thread by
+     default), so the **equal-thread comparison is kernel 1 thread / mx.fast**; the
+     kernel on every core is reported beside it, labelled as such.
 
-   Reported: ms per call, kernel / mx.fast, kernel / day3, and the kernel's effective
-   bandwidth, bytes of K and V it must read (``2 * B * L * Hkv * D * 4``) / its time.
+   Reported: ms per call, kernel / mx.fast at 1 thread and at every core, kernel / day3,
+   and the kernel's effective bandwidth, bytes of K and V it must read
+   (``2 * B * L * Hkv * D * 4``) / its time.
 2. **KV write vs pool size**: ``paged_kv_write`` (the extension, the caller dropping its
-   reference to the old pool before evaluation, as ``DirectPagedBatchKV`` does) vs Day 3's
+   reference to the old pool before evaluation, as the kernel backends do) vs Day 3's
    ``PagePool.write`` (MLX indexed assignment) for 8 and 64 new rows into pools of 1k to
    512k slots (one layer, K and V). A control keeps the old pool referenced (that write
    must copy). Also reported: ``extension().pool_copies()`` per call, and whether the
    time is flat in the pool size (O(new rows)) or grows with it (O(pool)).
-3. **Serving**: SmolLM2-135M (float32) on one workload — 12 requests at t=0 with prompts
-   of 100-400 random token ids, 32-64 output tokens each (greedy, ``ignore_eos``),
-   ``max_num_seqs=8`` (shrunk from 16 requests x 64-128 tokens to keep the run near 8
-   minutes on 2 shared cores) — under three engine configurations: ``kv_cache="dense"``;
-   ``kv_cache="paged", attention="gather"`` (Day 3); ``attention="kernel"`` (Day 4); plus,
-   as a diagnostic, the kernel engine with the extension on one thread. The engines are
-   built side by side and take turns, one ``step()`` each (rotating who goes first), so a
-   noisy neighbour slows them alike; each one's time is the sum of its own step times.
-   Once per turn the model forward for 8 decode tokens with attention replaced by the
-   identity is timed too: the part of a decode step that no attention path changes.
-   Reported: output tok/s, decode tok/s (steps that compute no prompt token), the KV
-   memory (the engine's ``kv_cache_bytes``; peak live K/V bytes of the running requests),
-   the bytes the attention path copies per decode step (gather: context rows x layers x
-   K,V; kernel: 0 plus whole-pool copies counted by ``pool_copies()``), and whether all
-   configurations produce the same tokens.
+3. **Serving**: SmolLM2-135M (float32) on one workload — 8 requests at t=0 with prompts
+   of 100-300 random token ids, 32-48 output tokens each (greedy, ``ignore_eos``),
+   ``max_num_seqs=8`` — under these engine configurations: ``kv_cache="dense"``;
+   ``attention="gather"`` (Day 3); ``attention="reference"`` (Day 4's MLX page walk);
+   ``attention="vector"`` (Day 4's kernel, vector schedule for every row) with the
+   extension on every core and on 1 thread. The engines are built side by side and take
+   turns, one ``step()`` each (rotating who goes first), so a noisy neighbour slows them
+   alike; each one's time is the sum of its own step times. Once per turn the model
+   forward for 8 decode tokens with attention replaced by the identity is timed too: the
+   part of a decode step that no attention path changes. Reported: output tok/s, decode
+   tok/s (steps that compute no prompt token), the KV memory (the engine's
+   ``kv_cache_bytes``; peak live K/V bytes of the running requests), the bytes the
+   attention path copies per decode step (gather: context rows x layers x K,V; kernel: 0
+   plus whole-pool copies counted by ``pool_copies()``), and whether all configurations
+   produce the same tokens.
 
-BLAS: MLX's float32 GEMM goes through OpenBLAS (``tiny_llm`` interposes it); on a shared
-2-core machine its default two spinning threads make small GEMMs (and so ``mx.fast``) 2-10x
-slower and very noisy, so OpenBLAS runs on one thread (``tiny_llm``'s default unless
-``OPENBLAS_NUM_THREADS`` is set). The extension's kernels use all hardware threads (its
-default).
+Rounds: each point of (1) and (2) times every method ``calls`` times per round, the order
+rotating from call to call, for ``--rounds`` rounds (default 3); the median over rounds of
+the per-round medians is reported (the JSON keeps every round's). (3) runs once per round.
 
-    python benches/bench_week3_day4.py          # ~6-8 minutes on 2 shared cores
-    python benches/bench_week3_day4.py --quick  # < 1 minute; tiny random model in part 3
+BLAS: MLX's float32 GEMM goes through OpenBLAS (``tiny_llm`` interposes it) on one thread
+(``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is set; the count is recorded).
+
+    python benches/bench_week3_day4.py          # about 25 minutes on 2 cores (3 rounds)
+    python benches/bench_week3_day4.py --quick  # tiny random model in part 3, writes *_quick.*
 """
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import os
 import random
@@ -64,7 +70,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tiny_llm.day3_paged_kv import PagedBatchKV, PagePool, kv_bytes_per_token
+from tiny_llm.day3_paged_kv import PagePool, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -76,7 +82,15 @@ from tiny_llm.kv_cache import causal_attention
 
 import mlx.core as mx
 import numpy as np
-from common import Table, Timing, greedy, load_model, openblas_threads, save_results
+from common import (
+    Table,
+    bench_parser,
+    greedy,
+    load_model,
+    openblas_threads,
+    save_results,
+    spread,
+)
 
 # SmolLM2-135M's attention geometry.
 N_HEADS, N_KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -84,7 +98,18 @@ PAGE_SIZE = 16
 SCALE = HEAD_DIM**-0.5
 DTYPE = mx.float32
 
-ATTN_METHODS = ("day3 gather", "reference walk", "kernel", "kernel (1 thread)", "mx.fast")
+ALL_THREADS = os.cpu_count() or 1
+KERNEL_THREADS = sorted({1, ALL_THREADS})  # the worker pool limited to 1 thread, and every core
+
+
+def kernel_name(threads: int) -> str:
+    return f"vector kernel, {threads} thread{'s' if threads > 1 else ''}"
+
+
+ONE = kernel_name(1)
+ALL = kernel_name(ALL_THREADS)
+ATTN_METHODS = ("day3 gather", "MLX reference walk", *map(kernel_name, KERNEL_THREADS),
+                "mx.fast")
 # The reference walk is skipped where batch * context exceeds this (none in the full grid:
 # its largest point, 32 x 8,192, takes a few hundred ms).
 REF_MAX_KEYS = 32 * 8192
@@ -92,45 +117,66 @@ REF_MAX_KEYS = 32 * 8192
 WRITE_METHODS = ("extension", "day3 PagePool.write", "extension, old pool kept")
 CONTROL_MAX_SLOTS = 131072  # the kept-pool control must copy: skip it on the largest pools
 
-SERVE_CONFIGS = {
+SERVE_CONFIGS: dict[str, dict[str, Any]] = {
     "dense": dict(kv_cache="dense"),
     "paged + gather (Day 3)": dict(kv_cache="paged", attention="gather"),
-    "paged + kernel (Day 4)": dict(kv_cache="paged", attention="kernel"),
-    # Diagnostic, not an engine option: the same engine with the extension's CPU kernels
-    # on one thread (extension().set_num_threads(1) around each of its steps).
-    "paged + kernel, 1 kernel thread": dict(kv_cache="paged", attention="kernel",
-                                            kernel_threads=1),
+    "paged + MLX reference walk (Day 4)": dict(kv_cache="paged", attention="reference"),
+    **{f"paged + {kernel_name(n)} (Day 4)": dict(kv_cache="paged", attention="vector",
+                                                 kernel_threads=n)
+       for n in sorted(KERNEL_THREADS, reverse=True)},
 }
 MAX_NUM_SEQS = 8
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int,
-                after: Callable[[str], None] | None = None) -> dict[str, Timing]:
-    """``common.measure`` for several functions at once: each repeat times every function
-    once, in an order that rotates from repeat to repeat; ``after(name)`` runs untimed
-    after each call."""
+def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, rounds: int, calls: int,
+                after: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Time every function ``calls`` times per round for ``rounds`` rounds, the order
+    rotating from call to call; ``after(name)`` runs untimed after each call. Returns per
+    function the ``spread`` of its per-round medians and every time."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             mx.eval(fns[name]())
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            start = time.perf_counter()
-            mx.eval(fns[name]())
-            times[name].append(time.perf_counter() - start)
-            mx.synchronize()  # untimed: let the stream finish what the call left behind
-            if after:
-                after(name)
-    return {n: Timing(statistics.median(t), min(t), t) for n, t in times.items()}
+    times: dict[str, list[list[float]]] = {n: [] for n in names}
+    k = 0
+    for _ in range(rounds):
+        for n in names:
+            times[n].append([])
+        for _ in range(calls):
+            for name in names[k % len(names):] + names[: k % len(names)]:
+                start = time.perf_counter()
+                mx.eval(fns[name]())
+                times[name][-1].append(time.perf_counter() - start)
+                mx.synchronize()  # untimed: let the stream finish what the call left behind
+                if after:
+                    after(name)
+            k += 1
+    return {n: {**spread([statistics.median(r) for r in t]), "times": t,
+                "calls": sum(map(len, t))} for n, t in times.items()}
+
+
+def with_threads(fn: Callable[[], Any], threads: int) -> Callable[[], mx.array]:
+    """``fn`` evaluated with the extension's worker pool limited to ``threads`` (the op
+    reads the setting when it runs, so evaluate before restoring the default)."""
+
+    def run():
+        ext = extension()
+        ext.set_num_threads(threads)
+        try:
+            out = fn()
+            mx.eval(out)
+        finally:
+            ext.set_num_threads(0)
+        return out
+
+    return run
 
 
 # --------------------------------------------------------------------------------------
 # 1. Decode attention vs context length and batch
 # --------------------------------------------------------------------------------------
 
-def attention_point(batch: int, context: int, warmup: int, repeats: int,
+def attention_point(batch: int, context: int, warmup: int, rounds: int, calls: int,
                     rng: np.random.Generator) -> dict[str, Any]:
     pages_per_seq = context // PAGE_SIZE
     num_pages = batch * pages_per_seq
@@ -158,63 +204,57 @@ def attention_point(batch: int, context: int, warmup: int, repeats: int,
             outs.append(causal_attention(q[b : b + 1], keys, values, SCALE, context - 1))
         return mx.concatenate(outs)
 
-    def kernel_one_thread():
-        ext = extension()
-        ext.set_num_threads(1)  # read when the op runs, so evaluate before restoring
-        out = paged_attention(q, pool.k[0], pool.v[0], block_table, context_lens,
-                              query_start_loc, SCALE, validate=False)
-        mx.eval(out)
-        ext.set_num_threads(0)
-        return out
+    def kernel():
+        return paged_attention(q, pool.k[0], pool.v[0], block_table, context_lens,
+                               query_start_loc, SCALE, validate=False)
 
     fns = {
         "day3 gather": day3,
-        "reference walk": lambda: paged_attention_reference(
+        "MLX reference walk": lambda: paged_attention_reference(
             q, pool.k[0], pool.v[0], block_table, context_lens, query_start_loc, SCALE),
-        "kernel": lambda: paged_attention(
-            q, pool.k[0], pool.v[0], block_table, context_lens, query_start_loc, SCALE,
-            validate=False),
-        "kernel (1 thread)": kernel_one_thread,
+        **{kernel_name(n): with_threads(kernel, n) for n in KERNEL_THREADS},
         "mx.fast": lambda: mx.fast.scaled_dot_product_attention(
             q_dense, k_dense, v_dense, scale=SCALE)[:, :, 0, :],
     }
     skipped = batch * context > REF_MAX_KEYS
     if skipped:
-        del fns["reference walk"]
+        del fns["MLX reference walk"]
     # Every path must agree with the kernel before it is timed.
-    want = fns["kernel"]()
-    max_err = {n: float(mx.abs(f() - want).max()) for n, f in fns.items() if n != "kernel"}
-    timings = interleaved(fns, warmup, repeats)
+    want = fns[ONE]()
+    max_err = {n: float(mx.abs(f() - want).max()) for n, f in fns.items() if n != ONE}
+    timings = interleaved(fns, warmup, rounds, calls)
     kv_bytes = 2 * batch * context * N_KV_HEADS * HEAD_DIM * DTYPE.size
-    ms = {n: (timings[n].median * 1e3 if n in timings else None) for n in ATTN_METHODS}
+    ms = {n: (timings[n]["median"] * 1e3 if n in timings else None) for n in ATTN_METHODS}
     return {
         "batch": batch,
         "context": context,
         "ms": ms,
-        "times_s": {n: t.times for n, t in timings.items()},
-        "kernel_over_fast": ms["kernel"] / ms["mx.fast"],
-        "kernel_over_day3": ms["kernel"] / ms["day3 gather"],
-        "kernel_over_reference": None if skipped else ms["kernel"] / ms["reference walk"],
+        "rounds_s": {n: t for n, t in timings.items()},
+        "kernel_1t_over_fast": ms[ONE] / ms["mx.fast"],
+        "kernel_all_over_fast": ms[ALL] / ms["mx.fast"],
+        "kernel_over_day3": ms[ALL] / ms["day3 gather"],
+        "kernel_over_reference": None if skipped else ms[ALL] / ms["MLX reference walk"],
         "kv_bytes": kv_bytes,
-        "kernel_gb_s": kv_bytes / timings["kernel"].median / 1e9,
-        "fast_gb_s": kv_bytes / timings["mx.fast"].median / 1e9,
+        "kernel_1t_gb_s": kv_bytes / timings[ONE]["median"] / 1e9,
+        "kernel_all_gb_s": kv_bytes / timings[ALL]["median"] / 1e9,
+        "fast_gb_s": kv_bytes / timings["mx.fast"]["median"] / 1e9,
         "reference_skipped": skipped,
         "max_abs_err_vs_kernel": max_err,
     }
 
 
-def attention_sweep(batches, contexts, warmup, repeats) -> list[dict[str, Any]]:
+def attention_sweep(batches, contexts, warmup, rounds, calls) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     mx.random.seed(0)
     points = []
     for batch in batches:
         for context in contexts:
-            p = attention_point(batch, context, warmup, repeats, rng)
+            p = attention_point(batch, context, warmup, rounds, calls, rng)
             points.append(p)
             ms = p["ms"]
             print(f"attention B={batch:>2} L={context:>5}: " + ", ".join(
                 f"{n} {ms[n]:.3f} ms" if ms[n] is not None else f"{n} skipped"
-                for n in ATTN_METHODS) + f"; kernel/mx.fast {p['kernel_over_fast']:.2f}",
+                for n in ATTN_METHODS) + f"; kernel 1T/mx.fast {p['kernel_1t_over_fast']:.2f}",
                 flush=True)
     return points
 
@@ -223,7 +263,7 @@ def attention_sweep(batches, contexts, warmup, repeats) -> list[dict[str, Any]]:
 # 2. KV write vs pool size
 # --------------------------------------------------------------------------------------
 
-def write_point(pool_slots: int, rows: int, warmup: int, repeats: int,
+def write_point(pool_slots: int, rows: int, warmup: int, rounds: int, calls: int,
                 rng: np.random.Generator) -> dict[str, Any]:
     num_pages = pool_slots // PAGE_SIZE
     shape = (num_pages, PAGE_SIZE, N_KV_HEADS, HEAD_DIM)
@@ -263,13 +303,13 @@ def write_point(pool_slots: int, rows: int, warmup: int, repeats: int,
         for fn in fns.values():
             mx.eval(fn())
     last[0] = extension().pool_copies()  # copies are counted on the timed calls only
-    timings = interleaved(fns, 0, repeats, after=count)
+    timings = interleaved(fns, 0, rounds, calls, after=count)
     if pool_slots <= CONTROL_MAX_SLOTS:
         # Timed on its own, after the others: freeing its whole-pool copies finishes on
         # MLX's stream thread after eval returns and would bill the next call timed.
         control = {"extension, old pool kept": kept_write}
         last[0] = extension().pool_copies()
-        timings |= interleaved(control, 0, max(3, repeats // 2), after=count)
+        timings |= interleaved(control, 0, rounds, max(1, calls // 2), after=count)
     # Both pools must hold the rows at their slots.
     for k, v in ((ext_pool["k"], ext_pool["v"]), (day3_pool.k[0], day3_pool.v[0])):
         flat = (N_KV_HEADS, HEAD_DIM)
@@ -277,26 +317,26 @@ def write_point(pool_slots: int, rows: int, warmup: int, repeats: int,
             v.reshape(-1, *flat)[slots], v_new)
         if not ok.item():
             raise RuntimeError(f"a write lost rows (pool {pool_slots} slots, {rows} rows)")
-    us = {n: (timings[n].median * 1e6 if n in timings else None) for n in WRITE_METHODS}
+    us = {n: (timings[n]["median"] * 1e6 if n in timings else None) for n in WRITE_METHODS}
     return {
         "pool_slots": pool_slots,
         "rows": rows,
         "pool_bytes": 2 * num_pages * PAGE_SIZE * N_KV_HEADS * HEAD_DIM * DTYPE.size,
         "us": us,
-        "times_s": {n: t.times for n, t in timings.items()},
-        "pool_copies_per_call": {n: copies[n] / len(timings[n].times) for n in timings},
+        "rounds_s": timings,
+        "pool_copies_per_call": {n: copies[n] / timings[n]["calls"] for n in timings},
         "extension_over_day3": us["extension"] / us["day3 PagePool.write"],
     }
 
 
-def write_sweep(pool_sizes, row_counts, warmup, repeats) -> list[dict[str, Any]]:
+def write_sweep(pool_sizes, row_counts, warmup, rounds, calls) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     points = []
     for pool_slots in pool_sizes:
         for rows in row_counts:
-            # Fewer repeats where a write may copy the whole (large) pool.
-            reps = repeats if pool_slots <= 16384 else max(3, repeats // 2)
-            p = write_point(pool_slots, rows, warmup, reps, rng)
+            # Fewer calls where a write may copy the whole (large) pool.
+            n = calls if pool_slots <= 16384 else max(1, calls // 2)
+            p = write_point(pool_slots, rows, warmup, rounds, n, rng)
             points.append(p)
             print(f"write {pool_slots:>6} slots, {rows:>2} rows: " + ", ".join(
                 f"{n} {p['us'][n]:.0f} us" for n in WRITE_METHODS if p["us"][n] is not None)
@@ -344,22 +384,12 @@ class ServeRun:
     def __init__(self, model, tokenizer, options: dict[str, Any], prompts, max_tokens,
                  max_model_len: int):
         options = dict(options)
-        self.kernel_threads = options.pop("kernel_threads", 0)  # 0: the extension's default
+        self.kernel_threads = options.pop("kernel_threads", ALL_THREADS)
         self.engine = engine = LLMEngine(
             model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
             enable_prefix_caching=False, **options)
+        self.gathers = engine.config.attention == "gather"
         self.token_bytes = kv_bytes_per_token(model.config, model.dtype)  # K+V, all layers
-        self.step_rows: list[int] = []  # context rows the attention path gathered, per step
-        batch_fn = engine.kv.batch
-
-        def spy(chunks, query_start_loc):  # an instance attribute: the engine is unchanged
-            kv = batch_fn(chunks, query_start_loc)
-            gathered = sum(int(s.size) for s in kv.context_slots) if isinstance(
-                kv, PagedBatchKV) else 0  # the kernel reads pages in place; dense its buffer
-            self.step_rows.append(gathered)
-            return kv
-
-        engine.kv.batch = spy
         pool = getattr(engine.kv, "pool", None)
         self.layer_pool_bytes = pool.k[0].nbytes if pool is not None else 0
         self.ids = [engine.add_request({"prompt_token_ids": p}, greedy(n))
@@ -372,25 +402,30 @@ class ServeRun:
 
     def step(self) -> None:
         engine = self.engine
-        prompt_before = engine.counters["num_prompt_tokens_computed"]
+        prompt_before = engine.stats()["num_prompt_tokens_computed"]
         copies_before = extension().pool_copies()
         extension().set_num_threads(self.kernel_threads)
         t0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t0
-        extension().set_num_threads(0)
+        try:
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+        finally:
+            extension().set_num_threads(0)
         new = 0
         for out in outs:
             self.tokens[out.request_id] += out.new_token_ids
             new += len(out.new_token_ids)
+        stats = engine.stats()
         live_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
+        # Day 3's gather copies every scheduled sequence's context rows, in every layer.
+        gathered = sum(engine.attention.step.context_lens) if self.gathers else 0
         self.steps.append({
             "dt": dt,
             "tokens": new,
-            "decode_only": engine.counters["num_prompt_tokens_computed"] == prompt_before,
+            "decode_only": stats["num_prompt_tokens_computed"] == prompt_before,
             "live_kv_bytes": live_tokens * self.token_bytes,
-            "kv_cache_bytes": engine.stats()["kv_cache_bytes"],
-            "gather_bytes": self.step_rows[-1] * self.token_bytes,
+            "kv_cache_bytes": stats["kv_cache_bytes"],
+            "gather_bytes": gathered * self.token_bytes,
             "pool_copy_bytes": (extension().pool_copies() - copies_before)
             * self.layer_pool_bytes,
         })
@@ -440,11 +475,7 @@ def run_interleaved(runs: dict[str, ServeRun],
     return extra_times
 
 
-def serving(model, tokenizer, prompts, max_tokens, max_model_len):
-    forward = forward_without_attention(model)
-    # Warm every path up (graph caches, the extension, allocator) on a small run.
-    run_interleaved({n: ServeRun(model, tokenizer, o, [p[:32] for p in prompts[:2]], [4, 4],
-                                 max_model_len) for n, o in SERVE_CONFIGS.items()}, forward)
+def serving_round(model, tokenizer, prompts, max_tokens, max_model_len, forward):
     runs = {n: ServeRun(model, tokenizer, o, prompts, max_tokens, max_model_len)
             for n, o in SERVE_CONFIGS.items()}
     forward_times = run_interleaved(runs, forward)
@@ -465,9 +496,6 @@ def forward_without_attention(model) -> Callable[[], mx.array]:
         def attend(self, layer, q, k, v, scale):
             return q
 
-        def state(self):
-            return []
-
     n = MAX_NUM_SEQS
     tokens = mx.full((n,), 100, dtype=mx.int32)
     positions = mx.full((n,), 300, dtype=mx.int32)
@@ -486,8 +514,8 @@ def plot(points, batches, write_points, pool_sizes, row_counts, serve_summary):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, max(3, len(batches)), figsize=(15, 8.5))
-    styles = {"day3 gather": "o-", "reference walk": "s--", "kernel": "D-",
-              "kernel (1 thread)": "d-.", "mx.fast": "^:"}
+    styles = {"day3 gather": "o-", "MLX reference walk": "s--", ONE: "d-.", ALL: "D-",
+              "mx.fast": "^:"}
     for ax, batch in zip(axes[0], batches, strict=False):
         pts = [p for p in points if p["batch"] == batch]
         for m in ATTN_METHODS:
@@ -519,13 +547,14 @@ def plot(points, batches, write_points, pool_sizes, row_counts, serve_summary):
     ax.legend(fontsize=7)
     ax = axes[1][1]
     names = list(serve_summary)
-    labels = [n.replace(" (", "\n(").replace(", ", ",\n") for n in names]
+    labels = [n.replace(" (", "\n(").replace(", ", ",\n").replace("paged + ", "paged +\n")
+              for n in names]
     x = np.arange(len(names))
     ax.bar(x - 0.2, [serve_summary[n]["tok_per_s"] for n in names], 0.4, label="output tok/s")
     ax.bar(x + 0.2, [serve_summary[n]["decode_tok_per_s"] for n in names], 0.4,
            label="decode tok/s")
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("tokens / s")
     ax.set_title("Serving progression", fontsize=10)
     ax.legend(fontsize=8)
@@ -533,7 +562,7 @@ def plot(points, batches, write_points, pool_sizes, row_counts, serve_summary):
     ax.bar(x, [serve_summary[n]["gather_bytes_per_decode_step"] / 2**20
                + serve_summary[n]["pool_copy_bytes_per_decode_step"] / 2**20 for n in names])
     ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("MiB copied by attention per decode step")
     ax.set_title("Gathered rows + whole-pool copies per decode step", fontsize=10)
     for ax in axes[1][3:]:
@@ -543,16 +572,15 @@ def plot(points, batches, write_points, pool_sizes, row_counts, serve_summary):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="small grids, tiny random model for serving (< 1 minute)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="timed repeats per point (default 7; quick: 3)")
+    ap = bench_parser(__doc__)
+    ap.add_argument("--calls", type=int, default=None,
+                    help="timed calls per method and round in parts 1-2 (default 3; quick: 2)")
     args = ap.parse_args()
     faulthandler.enable()
     blas_threads = openblas_threads()
     t_start = time.perf_counter()
-    repeats = args.repeats or (3 if args.quick else 7)
+    rounds = args.rounds
+    calls = args.calls or (2 if args.quick else 3)
     warmup = 1
     if args.quick:
         batches, contexts = (1, 8), (128, 512)
@@ -561,59 +589,86 @@ def main() -> None:
     else:
         batches, contexts = (1, 8, 32), (128, 512, 2048, 8192)
         pool_sizes, row_counts = (1024, 16384, 131072, 524288), (8, 64)
-        # Shrunk from 16 requests x 64-128 output tokens to fit ~8 minutes on 2 shared cores.
-        num_requests, prompt_range, output_range = 12, (100, 400), (32, 64)
+        num_requests, prompt_range, output_range = 8, (100, 300), (32, 48)
 
-    print(f"OpenBLAS threads: {blas_threads}", flush=True)
-    points = attention_sweep(batches, contexts, warmup, repeats)
+    print(f"OpenBLAS threads: {blas_threads}; kernel threads compared: {KERNEL_THREADS}",
+          flush=True)
+    points = attention_sweep(batches, contexts, warmup, rounds, calls)
     t_attention = time.perf_counter() - t_start
-    write_points = write_sweep(pool_sizes, row_counts, warmup, repeats)
+    write_points = write_sweep(pool_sizes, row_counts, warmup, rounds, calls)
     t_write = time.perf_counter() - t_start - t_attention
 
     model, tokenizer, model_name = load_model(args.quick)
     prompts, max_tokens = serve_workload(num_requests, prompt_range, output_range)
     max_model_len = -(-(prompt_range[1] + output_range[1]) // PAGE_SIZE) * PAGE_SIZE
-    results, no_attention_ms = serving(model, tokenizer, prompts, max_tokens, max_model_len)
+    forward = forward_without_attention(model)
+    # Warm every path up (graph caches, the extension, allocator) on a small run.
+    serving_round(model, tokenizer, [p[:32] for p in prompts[:2]], [4, 4], max_model_len,
+                  forward)
+    serve_rounds, forward_ms = [], []
+    for r in range(rounds):
+        results, ms = serving_round(model, tokenizer, prompts, max_tokens, max_model_len,
+                                    forward)
+        serve_rounds.append(results)
+        forward_ms.append(ms)
+        print(f"serving round {r + 1}/{rounds} done", flush=True)
     t_serve = time.perf_counter() - t_start - t_attention - t_write
     names = list(SERVE_CONFIGS)
     base = names[0]
-    mismatch = {n: sum(a != b for a, b in zip(results[n]["tokens"], results[base]["tokens"],
-                                              strict=True)) for n in names}
+    mismatch = {n: sum(a != b for rnd in serve_rounds
+                       for a, b in zip(rnd[n]["tokens"], rnd[base]["tokens"], strict=True))
+                for n in names}
     same_tokens = not any(mismatch.values())
-    summary = {n: {k: v for k, v in m.items() if k != "tokens"} for n, m in results.items()}
+    timed = ("busy_s", "tok_per_s", "decode_tok_per_s", "decode_ms_per_step")
+    summary: dict[str, dict[str, Any]] = {}
+    for n in names:
+        first = serve_rounds[0][n]
+        summary[n] = {k: v for k, v in first.items() if k != "tokens" and k not in timed}
+        for k in timed:
+            s = spread([rnd[n][k] for rnd in serve_rounds])
+            summary[n][k], summary[n][k + "_spread"] = s["median"], s
+
+    def vs_base(n: str, key: str) -> float:
+        return statistics.median(rnd[n][key] / rnd[base][key] for rnd in serve_rounds)
 
     tables = []
     attn_rows = []
     for p in points:
         ms = p["ms"]
-        attn_rows.append([p["batch"], p["context"], ms["day3 gather"], ms["reference walk"],
-                          ms["kernel"], ms["kernel (1 thread)"], ms["mx.fast"],
-                          p["kernel_over_fast"],
-                          p["kernel_over_day3"], p["kernel_over_reference"],
-                          p["kv_bytes"] / 2**20, p["kernel_gb_s"], p["fast_gb_s"]])
+        attn_rows.append([p["batch"], p["context"], ms["day3 gather"], ms["MLX reference walk"],
+                          ms[ONE], ms[ALL], ms["mx.fast"], p["kernel_1t_over_fast"],
+                          p["kernel_all_over_fast"], p["kernel_over_day3"],
+                          p["kernel_over_reference"], p["kv_bytes"] / 2**20,
+                          p["kernel_1t_gb_s"], p["kernel_all_gb_s"], p["fast_gb_s"]])
     skipped = [f"B={p['batch']} L={p['context']}" for p in points if p["reference_skipped"]]
     worst_err = max(e for p in points for e in p["max_abs_err_vs_kernel"].values())
-    threads = os.cpu_count()
     tables.append(Table(
-        "Decode attention, one layer (9 q heads, 3 KV heads, d=64, float32, page_size 16, "
+        "1. Decode attention, one layer (9 q heads, 3 KV heads, d=64, float32, page_size 16, "
         "shuffled pages): ms per call",
-        ["batch", "context", "day3 gather (ms)", "reference walk (ms)", "kernel (ms)",
-         "kernel 1 thread (ms)", "mx.fast (ms)", "kernel / mx.fast", "kernel / day3",
-         "kernel / reference", "K+V (MiB)", "kernel GB/s", "mx.fast GB/s"],
+        ["batch", "context", "day3 gather (ms)", "MLX reference walk (ms)",
+         "vector kernel, 1 thread (ms)", f"vector kernel, {ALL_THREADS} threads (ms)",
+         "mx.fast, 1 thread (ms)", "kernel / mx.fast, both 1 thread",
+         f"kernel {ALL_THREADS} threads / mx.fast 1 thread",
+         f"kernel {ALL_THREADS} threads / day3", f"kernel {ALL_THREADS} threads / reference",
+         "K+V (MiB)", "kernel 1 thread GB/s", f"kernel {ALL_THREADS} threads GB/s",
+         "mx.fast GB/s"],
         attn_rows,
-        ["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", ".2f", ".2f", ".1f", ".2f",
-         ".2f"],
+        ["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", ".2f", ".2f", ".2f", ".1f", ".2f",
+         ".2f", ".2f"],
         note=(
-            f"Medians of {repeats} interleaved repeats after {warmup} warmup. day3 gather = "
-            "per sequence PagePool.gather + causal_attention (Day 3's attend without its "
-            "write); mx.fast runs on K/V gathered beforehand into [B, Hkv, L, D] (no gather "
-            "cost). GB/s = bytes of K and V that must be read / time. Reference walk "
+            f"Median over {rounds} round(s) of the medians of {calls} interleaved calls, "
+            f"after {warmup} warmup. day3 gather = per sequence PagePool.gather + "
+            "causal_attention (Day 3's attend without its write); mx.fast runs on K/V "
+            "gathered beforehand into [B, Hkv, L, D] (no gather cost). Threads: the vector "
+            "kernel (paged_attention, tiled=False) with extension().set_num_threads(1) and "
+            f"({ALL_THREADS}) (this machine's cores; the pool splits a call only when it is "
+            "large enough); mx.fast and the MLX ops run on MLX's one CPU stream thread, "
+            f"OpenBLAS on {blas_threads} thread(s): 'kernel / mx.fast, both 1 thread' is the "
+            "equal-thread comparison. GB/s = bytes of K and V that must be read / time. "
+            "Reference walk "
             + (f"skipped at {', '.join(skipped)} (B x L > {REF_MAX_KEYS})" if skipped
                else "run at every point")
-            + f". All paths agree with the kernel to {worst_err:.1e} (max abs). The kernel "
-            f"uses up to {threads} threads (a persistent pool, for large enough work); "
-            "'kernel 1 thread' is the same op with extension().set_num_threads(1); MLX ops "
-            f"run on one thread, OpenBLAS on {blas_threads} thread(s)."
+            + f". All paths agree with the kernel to {worst_err:.1e} (max abs)."
         ),
     ))
     write_rows = []
@@ -624,7 +679,7 @@ def main() -> None:
                            us["extension, old pool kept"], p["extension_over_day3"],
                            p["pool_copies_per_call"]["extension"]])
     tables.append(Table(
-        "KV write (K and V, one layer) vs pool size: µs per write",
+        "2. KV write (K and V, one layer) vs pool size: µs per write",
         ["pool slots", "new rows", "K+V pool (MiB)", "extension (µs)",
          "day3 PagePool.write (µs)", "extension, old pool kept (µs)", "extension / day3",
          "extension pool copies / call"],
@@ -632,16 +687,16 @@ def main() -> None:
         ["", "", ".1f", ".0f", ".0f", ".0f", ".2f", ".1f"],
         note=(
             "extension: paged_kv_write with the old pool references dropped before "
-            "evaluation (the engine's pattern); day3: PagePool.write (MLX indexed "
+            "evaluation (the kernel backends' pattern); day3: PagePool.write (MLX indexed "
             "assignment, in place when the pool is donatable); 'old pool kept' is a control "
             f"that must copy (run up to {CONTROL_MAX_SLOTS} slots). Pool copies counted by "
-            "extension().pool_copies() over the timed calls (2 per call = K and V). Medians "
-            f"of {repeats} (pools up to 16k slots) or {max(3, repeats // 2)} interleaved "
-            "repeats."
+            "extension().pool_copies() over the timed calls (2 per call = K and V). Median "
+            f"over {rounds} round(s) of the medians of {calls} interleaved calls "
+            f"({max(1, calls // 2)} for pools above 16k slots and for the control)."
         ),
     ))
     tables.append(Table(
-        "Is the write O(new rows)? Time at the largest pool / time at the smallest",
+        "2b. Is the write O(new rows)? Time at the largest pool / time at the smallest",
         ["method", "new rows", "small pool (slots)", "large pool (slots)", "small (µs)",
          "large (µs)", "growth", "pool copies / call (large)", "verdict"],
         write_flatness(write_points, pool_sizes, row_counts),
@@ -653,17 +708,17 @@ def main() -> None:
         s = summary[n]
         serve_rows.append([
             n, s["tok_per_s"], s["decode_tok_per_s"], s["decode_ms_per_step"],
-            s["tok_per_s"] / summary[base]["tok_per_s"],
-            s["decode_tok_per_s"] / summary[base]["decode_tok_per_s"],
+            vs_base(n, "tok_per_s"), vs_base(n, "decode_tok_per_s"),
             s["kv_cache_bytes"] / 2**20, s["peak_live_kv_bytes"] / 2**20,
             (s["gather_bytes_per_decode_step"] / 2**20
-             if n != "dense" else None),
+             if SERVE_CONFIGS[n].get("attention") not in (None, "reference") else None),
             (s["pool_copy_bytes_per_decode_step"] / 2**20 if n != "dense" else None),
             int(s["pool_copies"]), mismatch[n],
         ])
     lens = [len(p) for p in prompts]
+    no_attention_ms = statistics.median(forward_ms)
     tables.append(Table(
-        f"Serving progression: {num_requests} requests at t=0, {model_name}, "
+        f"3. Serving progression: {num_requests} requests at t=0, {model_name}, "
         f"max_num_seqs={MAX_NUM_SEQS}",
         ["config", "output tok/s", "decode tok/s", "decode ms/step", "tok/s vs dense",
          "decode tok/s vs dense", "kv_cache_bytes (MiB)", "peak live K/V (MiB)",
@@ -678,25 +733,28 @@ def main() -> None:
             "prefill on, prefix caching off. decode = steps that compute no prompt token. "
             "kv_cache_bytes: engine.stats() (dense: the slot buffers allocated, which grow "
             "and are kept; paged: the pool); peak live K/V: tokens held by running requests "
-            "x K/V bytes per token, all layers. gathered: context rows PagedBatchKV copies "
-            "out of the pages, all layers, K and V (dense: none gathered — its attention "
-            "reads a slice of the request's own buffer); pool copies: whole per-layer pool "
-            "arrays copied by paged_kv_write (pool_copies() x one layer's pool). "
+            "x K/V bytes per token, all layers. gathered: context rows GatherAttention "
+            "copies out of the pages, all layers, K and V (dense: none gathered — its "
+            "attention reads a slice of the request's own buffer; the MLX reference walk "
+            "copies page columns inside its ops, not counted here: '–'); pool copies: whole "
+            "per-layer pool arrays copied by paged_kv_write (pool_copies() x one layer's "
+            "pool). "
             + ("All configurations produced the same tokens."
                if same_tokens else "THE CONFIGURATIONS PRODUCED DIFFERENT TOKENS.")
             + " The engines ran side by side, taking turns step by step (rotating who "
-            "goes first); tok/s = tokens / the sum of that engine's step times. The last row "
-            "is a diagnostic: the kernel engine with extension().set_num_threads(1) around "
-            f"its steps. For scale: the model forward for {MAX_NUM_SEQS} decode tokens with "
-            f"attention replaced by the identity, timed once per turn alongside the engines, "
-            f"takes {no_attention_ms:.0f} ms (median)."
+            "goes first); tok/s = tokens / the sum of that engine's step times; medians of "
+            f"{rounds} round(s), ratios the medians of per-round ratios. Kernel threads: "
+            "extension().set_num_threads(n) around each of that engine's steps (the other "
+            f"engines' MLX ops run on one thread). For scale: the model forward for "
+            f"{MAX_NUM_SEQS} decode tokens with attention replaced by the identity, timed "
+            f"once per turn alongside the engines, takes {no_attention_ms:.0f} ms (median)."
         ),
     ))
     data = {
         "quick": args.quick,
-        "repeats": repeats,
+        "calls": calls,
         "openblas_threads": blas_threads,
-        "kernel_threads": threads,
+        "kernel_threads": KERNEL_THREADS,
         "attention": {"batches": list(batches), "contexts": list(contexts),
                       "page_size": PAGE_SIZE, "heads": [N_HEADS, N_KV_HEADS, HEAD_DIM],
                       "reference_skipped": skipped, "points": points},
@@ -712,14 +770,15 @@ def main() -> None:
             "same_tokens": same_tokens,
             "summary": summary,
             "requests_with_different_tokens": mismatch,
-            "forward_without_attention_ms": no_attention_ms,
+            "forward_without_attention_ms": spread(forward_ms),
         },
         "phase_wall_s": {"attention": t_attention, "write": t_write, "serving": t_serve},
         "bench_wall_s": None,
     }
     fig = plot(points, batches, write_points, pool_sizes, row_counts, summary)
     data["bench_wall_s"] = time.perf_counter() - t_start
-    save_results("bench_week3_day4" + ("_quick" if args.quick else ""), data, tables, fig)
+    save_results("bench_week3_day4" + ("_quick" if args.quick else ""), data, tables, fig,
+                 rounds=rounds)
     print(f"bench wall time {data['bench_wall_s']:.0f} s (attention {t_attention:.0f} s, "
           f"write {t_write:.0f} s, serving {t_serve:.0f} s)")
 

@@ -1,5 +1,5 @@
-"""Week 3, Day 5: the tiled (FlashAttention) prefill schedule, and the whole course's
-progression of engine configurations on one workload, next to mlx-lm.
+"""Week 3, Day 5: tiles against vectors (the FlashAttention schedule against Day 4's), and the
+whole course's progression of engine configurations on one workload, next to mlx-lm.
 
 Three measurements; in each, the configurations compared run in the same process,
 interleaved, and ratios are taken within the run.
@@ -7,118 +7,119 @@ interleaved, and ratios are taken within the run.
 1. **Prefill attention, one layer** (SmolLM2's heads: 9 query / 3 KV heads, head_dim 64,
    float32, page_size 16, pages of the sequence in shuffled pool order). A query of ``L``
    tokens at the end of a context of ``S`` tokens (query row ``i`` sits at position
-   ``S - L + i`` and sees keys ``0 .. S - L + i``), three ways:
+   ``S - L + i`` and sees keys ``0 .. S - L + i``), computed by:
 
-   - ``kernel``: ``paged_attention`` (the extension op; multi-token rows run the tiled
-     schedule, 16 query rows per tile sharing every page they read; its C++ threads use
-     both cores) — also with ``set_num_threads(1)`` (``kernel 1T``), since MLX's own CPU
-     ops and OpenBLAS run on one thread here;
-   - ``reference``: ``paged_attention_reference`` (the MLX-op page walk, one page column
-     per iteration, every query row gathering its own copy of the page); skipped where
-     ``L x S`` exceeds ``ref_max_units`` (it is O(L x S) gathered bytes);
+   - ``Day 4 vector kernel``: ``paged_attention`` (the extension op with ``tiled=False``:
+     the vector schedule for every row, each row walking its own pages);
+   - ``Day 5 tiled kernel``: ``paged_flash_attention`` (the same op with ``tiled=True``:
+     tiles of 16 consecutive query rows share every page they read);
+   - both kernels with the extension's worker pool limited to **1 thread** and on **every
+     core** (``extension().set_num_threads(n)``);
+   - ``MLX reference walk``: ``paged_attention_reference`` (Day 4's page walk in MLX ops,
+     one page column per iteration, every row gathering its own copy of the page) and
+     ``MLX tiled reference walk``: ``paged_flash_reference`` (Day 5's tiles in MLX ops);
+     skipped where ``L x S`` exceeds ``ref_max_units``;
    - ``mx.fast``: ``mx.fast.scaled_dot_product_attention`` on dense, contiguous K/V
      (``[1, H, S, D]``, gathered from the pages before timing), with ``mask="causal"`` when
      ``L == S`` and otherwise an explicit boolean ``[L, S]`` mask ``key <= S - L + row``
-     (built and evaluated before timing).
+     (built and evaluated before timing). It runs on MLX's one CPU stream thread (OpenBLAS
+     on one thread by default), so kernel / mx.fast is reported at equal threads (the
+     kernel on 1 thread) and, labelled as such, with the kernel on every core.
 
-   Each point: one warmup call each, then ``attn_rounds`` rounds (``ref_rounds`` for the
-   reference) timing every implementation once, the order rotating per round; the median
-   is reported, and ``kernel / mx.fast``. Points with ``L x S > attn_max_units`` are not
-   run (full run: L = 1024 stops at S = 2048). All outputs are checked against ``mx.fast``
-   (max abs error).
+   Tiles vs vectors is the tiled kernel's time over the vector kernel's at the same thread
+   count. Points with ``L x S > attn_max_units`` are not run. All outputs are checked
+   against ``mx.fast`` (max abs error).
 
-2. **TTFT of one long prompt** (random token ids, ``max_tokens=1``, engine defaults:
-   paged KV, chunked prefill with the default budget of 512 tokens per step, prefix caching
-   on but nothing to hit). Day 4's engine ran decode rows on the kernel's vector schedule
-   but sent multi-token rows through the MLX page walk; Day 4 is emulated with
-   ``attention="reference"`` (the page walk for every row: during a prefill there are only
-   multi-token rows, so this is exactly Day 4's prefill path), Day 5 with
-   ``attention="kernel"`` (the tiled schedule for the prefill chunks). TTFT = wall time
-   from the first ``engine.step()`` to the step that returns the first token (the request is
-   added just before). The two alternate, in alternating order, for ``ttft_rounds`` rounds
-   (median); reference runs are skipped above ``ttft_ref_max`` tokens (too slow here). Full
-   run: 1,024 and 2,048 tokens, Day 4 at 1,024 only (about a minute there, and it grows with
-   the square of the prompt); 4,096 was not affordable in the time budget.
+2. **TTFT of one long prompt** (random token ids, ``max_tokens=1``, engine defaults: paged
+   KV, chunked prefill with the default budget of 512 tokens per step, prefix caching on
+   but nothing to hit), with ``attention="vector"`` (Day 4's kernel: the vector schedule
+   for every row), ``attention="flash"`` (Day 5's kernel: tiles for the prefill chunks),
+   and the MLX walks ``"reference"`` and ``"flash_reference"`` (skipped above
+   ``ttft_ref_max`` tokens: their page walks copy pages per row or per tile). The kernels
+   use every core. TTFT = wall time from the first ``engine.step()`` to the step that
+   returns the first token (the request is added just before).
 
-3. **The progression on one workload**: 16 requests arriving at t=0 (prompts of 64-256
-   random token ids, the first 128 of them a shared system prefix in half of the requests;
-   outputs 16-48 tokens, fixed by ``max_tokens`` with ``ignore_eos``, greedy), through six
-   engine configurations, all with ``max_num_seqs=8`` and ``max_model_len=1024``. (Shrunk
-   from 24 requests, prompts 64-512 and outputs 16-96 to keep the whole script near ten
-   minutes on a shared 2-core CPU, where one decode step of SmolLM2 takes 0.1-0.2 s.)
+3. **The progression on one workload**: requests arriving at t=0 (prompts of random token
+   ids, the first ``prefix`` of them a shared system prefix in half of the requests;
+   outputs fixed by ``max_tokens`` with ``ignore_eos``, greedy), through these engine
+   configurations, all with ``max_num_seqs=8``:
 
-   ===============  ==========================================================================
-   static           scheduler="static", kv_cache="dense", enable_chunked_prefill=False,
-                    max_num_batched_tokens=4096 (a budget that never binds)
-   continuous       scheduler="continuous", kv_cache="dense", no chunking, budget 4096
-   chunked          kv_cache="dense", chunked prefill, default budget (512)
-   paged+gather     kv_cache="paged", attention="gather" (Day 3: gathers dense K/V per step)
-   direct paged     kv_cache="paged", attention="reference" (Day 4's MLX page walk, all rows)
-   final            the defaults: paged, attention="kernel", chunked, prefix caching
-   ===============  ==========================================================================
+   ==============================  ============================================================
+   static                          scheduler="static", kv_cache="dense", no chunked prefill,
+                                   max_num_batched_tokens=4096 (a budget that never binds)
+   continuous                      scheduler="continuous", dense, no chunking, budget 4096
+   chunked                         kv_cache="dense", chunked prefill, default budget (512)
+   paged + gather                  attention="gather" (Day 3), prefix caching off
+   paged + gather, prefix cache    the same with prefix caching on
+   paged + MLX walk                attention="reference" (Day 4's MLX page walk), prefix off
+   paged + vector kernel           attention="vector" (Day 4's kernel), prefix off
+   paged + tiled kernel            attention="flash" (Day 5's kernel), prefix off
+   final                           the defaults: attention="flash", prefix caching on
+   ==============================  ============================================================
 
-   The paged configurations keep the other defaults (chunked prefill, budget 512, prefix
-   caching on) and get ``num_pages = max_num_seqs x pages of the longest request``: what a
-   dense reservation for 8 such requests would hold. The engines are stepped round-robin in
-   one loop, each on its own clock (the sum of its own step times), so a noisy neighbour
-   hurts them alike; all times below are on that clock, with all requests arriving at 0.
+   The paged rows with prefix caching off differ only in their attention path; the two
+   pairs (gather, tiled kernel) with it off and on differ only in prefix caching, whose
+   effect is the prompt tokens it saves computing (recorded per configuration, with the
+   prefix-cache hit tokens). Paged rows get ``num_pages = max_num_seqs x pages of the
+   longest request``. The engines are stepped round-robin in one loop, each on its own
+   clock (the sum of its own step times), so a noisy neighbour hurts them alike.
 
-   Reported per configuration: output tok/s (generated tokens / clock at the last token);
-   TTFT p50/p99; inter-token latency (ITL, gaps between consecutive tokens of a request)
-   p50/p99; peak KV bytes allocated (``stats()["kv_cache_bytes"]``: dense buffers as grown,
-   or the paged pool) and peak live KV bytes (dense: stored tokens x bytes/token; paged:
-   referenced pages x page bytes); bytes copied per step by attention (gather: the context
-   rows of every scheduled sequence, all layers, K and V; dense: the copies made when a
-   per-request buffer grows by 256 rows; direct paged and kernel: none — the kernel's own
-   ``pool_copies()`` counter is checked); whether each request's tokens equal the first
-   configuration's; and where a step's time goes (scheduler, block-table metadata, batch
-   layout, graph construction, MLX evaluation of the forward, sampling and bookkeeping).
+   Reported per configuration: output tok/s; TTFT p50/p99; inter-token latency (ITL)
+   p50/p99; peak KV bytes allocated (``stats()["kv_cache_bytes"]``) and live; bytes copied
+   per step by attention (gather: the context rows of every scheduled sequence, all layers,
+   K and V; dense: the copies made when a per-request buffer grows by 256 rows; the walks
+   and kernels: none — the kernel's ``pool_copies()`` counter is checked); prompt tokens
+   computed; whether each request's tokens equal the first configuration's; and where a
+   step's time goes (scheduler, the KV layout — block tables and slot mapping —, the rest
+   of the batch layout, the attention backend's per-step metadata, graph construction, MLX
+   evaluation of the forward, sampling and bookkeeping), measured by wrapping the engine's
+   public parts (``engine.scheduler.schedule``, ``engine.kv.layout``,
+   ``engine.attention.begin_step``, ``engine.model``).
 
-   Then the same requests through mlx-lm (0.32.x) with the same float32 arrays
-   (``mlx_lm.models.llama.Model`` built from our ``ModelConfig``, loaded with our model's
-   parameters): ``BatchGenerator`` driven by exactly ``batch_generate``'s loop
-   (``while responses := gen.next_generated()``) with ``completion_batch_size=8``,
-   ``prefill_batch_size=8``, its default ``prefill_step_size=2048`` (so every prompt is
-   prefilled whole, left-padded in batches of up to 8), greedy, no stop tokens (to match
-   ``ignore_eos``), stepped in the same round-robin loop with timestamps per token. mlx-lm
-   pipelines: ``next_generated()`` returns after queueing the following step with
-   ``mx.async_eval``, so each of its steps here ends with ``mx.synchronize(gen.stream)``;
-   otherwise its queued compute would run during (and be charged to) the other engines'
-   steps. That costs it the overlap of its Python work with compute, a few ms per step.
-   Then one plain ``batch_generate`` call, timed wall-clock, alone, after the loop.
-
+   Then the same requests through mlx-lm with the same float32 arrays
+   (``mlx_lm.models.llama.Model`` built from our ``ModelConfig``): ``BatchGenerator`` driven
+   by ``batch_generate``'s loop with ``completion_batch_size=8``, ``prefill_batch_size=8``,
+   its default ``prefill_step_size=2048``, greedy, no stop tokens, stepped in the same
+   round-robin loop; each of its steps ends with ``mx.synchronize(gen.stream)`` (it queues
+   the next step with ``mx.async_eval``, whose compute would otherwise be charged to the
+   other engines). Then one plain ``batch_generate`` call, timed alone after the loop.
    Finally, every second step of the final configuration is followed at once by the same
-   step's matmuls alone (all linear layers at the step's token count and the tied
-   vocabulary projection at one row per sampled sequence): how much of the forward is GEMM.
+   step's matmuls alone: how much of the forward is GEMM.
+
+Rounds: (1) times every implementation once per round, the order rotating; (2) and (3) run
+once per round; ``--rounds`` rounds (default 3), medians reported with the spread in the
+JSON; counts (tokens, prompt tokens computed) are checked equal across rounds.
 
 OpenBLAS runs with one thread (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is
-set): on a shared 2-core machine its spinning threads make runs 5-10x slower and noisy. The
-script loads a private copy of the built extension (its sha256 is recorded) so that a
-rebuild of ``src/extensions`` during the run cannot crash it.
+set). The script loads a private copy of the built extension (its sha256 is recorded) so
+that a rebuild of ``src/extensions`` during the run cannot crash it.
 
-    python benches/bench_week3_day5.py           # SmolLM2-135M, 5-10 minutes on 2 cores
+    python benches/bench_week3_day5.py           # SmolLM2-135M, about 45 minutes on 2 cores
     python benches/bench_week3_day5.py --quick   # tiny random model, writes *_quick.*
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
+import os
 import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import tiny_llm
 from tiny_llm.day3_paged_kv import blocks_needed, kv_bytes_per_token
-from tiny_llm.day4_paged_attention import (
-    paged_attention,
-    paged_attention_reference,
+from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
+from tiny_llm.day5_paged_flash import (
+    TiledWalkAttention,
+    paged_flash_attention,
+    paged_flash_reference,
 )
 from tiny_llm.engine import LLMEngine
 from tiny_llm.extension import extension
@@ -129,12 +130,14 @@ import mlx.core as mx
 import numpy as np
 from common import (
     Table,
+    bench_parser,
     greedy,
     lap,
     load_model,
     mlx_lm_model,
     percentile,
     save_results,
+    spread,
 )
 from mlx.utils import tree_flatten
 
@@ -143,17 +146,16 @@ PAGE_SIZE = 16
 HEADS = (9, 3, 64)  # SmolLM2: query heads, KV heads, head_dim
 MAX_NUM_SEQS = 8
 NO_CHUNK_BUDGET = 4096
+ALL_THREADS = os.cpu_count() or 1
+THREADS = sorted({1, ALL_THREADS})
 
 FULL = dict(
     attn_queries=[64, 256, 1024],
     attn_contexts=[256, 1024, 2048, 4096, 8192],
     attn_max_units=1024 * 2048,  # skip kernel/mx.fast points with L x S above this
-    ref_max_units=1024 * 1024,  # skip the reference page walk above this L x S
-    attn_rounds=3,
-    ref_rounds=1,  # the page walk is 4-10x slower: one timed call after the warmup
+    ref_max_units=1024 * 1024,  # skip the MLX reference walks above this L x S
     ttft_prompts=[1024, 2048],
     ttft_ref_max=1024,
-    ttft_rounds=1,
     requests=16,
     prompt=(64, 256),
     prefix=128,
@@ -166,12 +168,9 @@ QUICK = dict(
     attn_contexts=[64, 256],
     attn_max_units=64 * 256,
     ref_max_units=64 * 256,
-    attn_rounds=2,
-    ref_rounds=1,
     ttft_prompts=[128, 256],
     ttft_ref_max=256,
-    ttft_rounds=1,
-    requests=8,
+    requests=16,  # more than max_num_seqs: the later ones can hit the prefix cache
     prompt=(16, 64),
     prefix=32,
     output=(4, 12),
@@ -179,16 +178,30 @@ QUICK = dict(
     plain_batch_generate=True,
 )
 
+PAGED_OFF = dict(kv_cache="paged", enable_prefix_caching=False)
 CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("static", dict(scheduler="static", kv_cache="dense", enable_chunked_prefill=False,
                     max_num_batched_tokens=NO_CHUNK_BUDGET)),
     ("continuous", dict(scheduler="continuous", kv_cache="dense", enable_chunked_prefill=False,
                         max_num_batched_tokens=NO_CHUNK_BUDGET)),
     ("chunked", dict(kv_cache="dense", enable_chunked_prefill=True)),
-    ("paged+gather", dict(kv_cache="paged", attention="gather")),
-    ("direct paged", dict(kv_cache="paged", attention="reference")),
-    ("final", dict()),
+    ("paged + gather", dict(PAGED_OFF, attention="gather")),
+    ("paged + gather, prefix cache", dict(kv_cache="paged", attention="gather",
+                                          enable_prefix_caching=True)),
+    ("paged + MLX walk", dict(PAGED_OFF, attention="reference")),
+    ("paged + vector kernel", dict(PAGED_OFF, attention="vector")),
+    ("paged + tiled kernel", dict(PAGED_OFF, attention="flash")),
+    ("final (tiled kernel, prefix cache)", dict()),
 ]
+FINAL = CONFIGS[-1][0]
+
+TTFT_PATHS = {  # attention option -> label
+    "vector": "Day 4 vector kernel",
+    "flash": "Day 5 tiled kernel",
+    "reference": "MLX reference walk",
+    "flash_reference": "MLX tiled reference walk",
+}
+MLX_WALKS = ("reference", "flash_reference")
 
 
 # ------------------------------------------------------------------ setup
@@ -249,10 +262,34 @@ class StubTokenizer:
 # ------------------------------------------------------------------ 1. prefill attention
 
 
-def prefill_attention(sz: dict[str, Any]) -> tuple[list[dict[str, Any]], Table]:
+def vector_name(threads: int) -> str:
+    return f"Day 4 vector kernel, {threads}T"
+
+
+def tiled_name(threads: int) -> str:
+    return f"Day 5 tiled kernel, {threads}T"
+
+
+def with_threads(fn: Callable[[], mx.array], threads: int) -> Callable[[], mx.array]:
+    """``fn`` evaluated with the extension's worker pool limited to ``threads`` (read by
+    the op when it runs: evaluate before restoring the default)."""
+
+    def run():
+        ext = extension()
+        ext.set_num_threads(threads)
+        try:
+            out = fn()
+            mx.eval(out)
+        finally:
+            ext.set_num_threads(0)
+        return out
+
+    return run
+
+
+def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, Any]], Table]:
     hq, hkv, hd = HEADS
     scale = hd**-0.5
-    ext = extension()
     rng = random.Random(1)
     points = [(q, s) for q in sz["attn_queries"] for s in sz["attn_contexts"]
               if q <= s and q * s <= sz["attn_max_units"]]
@@ -280,67 +317,79 @@ def prefill_attention(sz: dict[str, Any]) -> tuple[list[dict[str, Any]], Table]:
         else:
             mask = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]
         mx.eval(k_pages, v_pages, q, k_dense, v_dense, q_dense, mask)
+        args = (q, k_pages, v_pages, block_table, context_lens, qsl, scale)
 
-        def kernel(q=q, kp=k_pages, vp=v_pages, bt=block_table, cl=context_lens, qsl=qsl):
-            return paged_attention(q, kp, vp, bt, cl, qsl, scale, validate=False)
+        def vector(args=args):
+            return paged_attention(*args, validate=False)
 
-        def reference(q=q, kp=k_pages, vp=v_pages, bt=block_table, cl=context_lens, qsl=qsl):
-            return paged_attention_reference(q, kp, vp, bt, cl, qsl, scale)
+        def tiled(args=args):
+            return paged_flash_attention(*args, validate=False)
 
         def fast(q=q_dense, k=k_dense, v=v_dense, mask=mask):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
             return out[0].transpose(1, 0, 2)
 
-        impls: dict[str, tuple[Any, int]] = {"kernel": (kernel, 0), "kernel 1T": (kernel, 1),
-                                             "mx.fast": (fast, 0)}
+        impls: dict[str, Callable[[], mx.array]] = {}
+        for n in THREADS:
+            impls[vector_name(n)] = with_threads(vector, n)
+            impls[tiled_name(n)] = with_threads(tiled, n)
+        impls["mx.fast"] = fast
         if L * S <= sz["ref_max_units"]:
-            impls["reference"] = (reference, 0)
+            impls["MLX reference walk"] = lambda args=args: paged_attention_reference(*args)
+            impls["MLX tiled reference walk"] = lambda args=args: paged_flash_reference(
+                *args, tile_rows=TiledWalkAttention.TILE_ROWS)
         oracle = fast()
-        errors = {}
-        for name, (fn, threads) in impls.items():
-            ext.set_num_threads(threads)
-            errors[name] = mx.abs(fn() - oracle).max().item()  # also the warmup call
+        errors = {name: mx.abs(fn() - oracle).max().item()  # also the warmup call
+                  for name, fn in impls.items() if name != "mx.fast"}
         times: dict[str, list[float]] = {name: [] for name in impls}
         names = list(impls)
-        for r in range(sz["attn_rounds"]):
+        for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                if name == "reference" and r >= sz["ref_rounds"]:
-                    continue
-                fn, threads = impls[name]
-                ext.set_num_threads(threads)
                 start = time.perf_counter()
-                mx.eval(fn())
+                mx.eval(impls[name]())
                 times[name].append(time.perf_counter() - start)
-        ext.set_num_threads(0)
         t = {name: statistics.median(v) for name, v in times.items()}
-        d = dict(query_len=L, context=S, times=times, median_s=t, max_abs_err=errors)
+        d = dict(query_len=L, context=S, times=times, median_s=t, max_abs_err=errors,
+                 spread={name: spread(v) for name, v in times.items()})
         data.append(d)
-        ref = t.get("reference")
-        rows.append([L, S, t["kernel"] * 1e3, t["kernel 1T"] * 1e3, t["mx.fast"] * 1e3,
-                     None if ref is None else ref * 1e3, t["kernel"] / t["mx.fast"],
-                     t["kernel 1T"] / t["mx.fast"], None if ref is None else ref / t["kernel"],
+        one, every = THREADS[0], THREADS[-1]
+        ref, tref = t.get("MLX reference walk"), t.get("MLX tiled reference walk")
+        rows.append([L, S, t[vector_name(one)] * 1e3, t[vector_name(every)] * 1e3,
+                     t[tiled_name(one)] * 1e3, t[tiled_name(every)] * 1e3, t["mx.fast"] * 1e3,
+                     None if ref is None else ref * 1e3, None if tref is None else tref * 1e3,
+                     t[tiled_name(one)] / t[vector_name(one)],
+                     t[tiled_name(every)] / t[vector_name(every)],
+                     t[tiled_name(one)] / t["mx.fast"], t[tiled_name(every)] / t["mx.fast"],
                      max(errors.values())])
         print(f"  attention L={L} S={S}: " + ", ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
         del k_pages, v_pages, k_dense, v_dense, mask
     skipped = [f"{q}x{s}" for q in sz["attn_queries"] for s in sz["attn_contexts"]
                if q <= s and q * s > sz["attn_max_units"]]
+    n = ALL_THREADS
     table = Table(
-        f"1. Prefill attention, one layer ({hq} q / {hkv} kv heads, head_dim {hd}, float32, "
-        f"page_size {PAGE_SIZE}, shuffled pages): a query of L tokens at the end of a "
-        f"context of S tokens",
-        ["L", "S", "kernel ms", "kernel 1T ms", "mx.fast ms", "reference ms",
-         "kernel / mx.fast", "kernel 1T / mx.fast", "reference / kernel", "max abs err"],
+        f"1. Tiles vs vectors: prefill attention, one layer ({hq} q / {hkv} kv heads, "
+        f"head_dim {hd}, float32, page_size {PAGE_SIZE}, shuffled pages), a query of L "
+        f"tokens at the end of a context of S tokens (ms)",
+        ["L", "S", "Day 4 vector kernel, 1T", f"Day 4 vector kernel, {n}T",
+         "Day 5 tiled kernel, 1T", f"Day 5 tiled kernel, {n}T", "mx.fast (1T)",
+         "MLX reference walk", "MLX tiled reference walk", "tiled / vector, 1T",
+         f"tiled / vector, {n}T", "tiled 1T / mx.fast (equal threads)",
+         f"tiled {n}T / mx.fast 1T", "max abs err"],
         rows,
-        ["", "", ".2f", ".2f", ".2f", ".1f", ".2f", ".2f", ".1f", ".1e"],
-        "kernel: paged_attention (tiled schedule, C++ threads on both cores); kernel 1T: the "
-        "same with set_num_threads(1); mx.fast: mx.fast.scaled_dot_product_attention on "
-        "contiguous dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] "
-        "mask key <= S - L + row; OpenBLAS and MLX on one thread); reference: the MLX-op page "
-        f"walk, run only where L x S <= {sz['ref_max_units']} ('–' elsewhere). Median of "
-        f"{sz['attn_rounds']} interleaved rounds ({sz['ref_rounds']} for the reference), "
-        "each after one warmup call. Max abs err: largest of kernel/reference "
-        "vs mx.fast."
+        ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f", ".2f", ".2f", ".2f", ".2f",
+         ".1e"],
+        "Day 4 vector kernel: paged_attention (tiled=False, every row walks its pages); Day 5 "
+        "tiled kernel: paged_flash_attention (tiled=True, 16-row query tiles share each "
+        "page); 1T / "
+        f"{n}T: the extension's worker pool limited to 1 thread / {n} threads "
+        "(set_num_threads). mx.fast: mx.fast.scaled_dot_product_attention on contiguous "
+        "dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] mask), on "
+        "MLX's one CPU stream thread with OpenBLAS on one thread: compare it with the 1T "
+        "kernels. MLX reference walks: the page walk (Day 4) and the tiled walk (Day 5) in "
+        f"MLX ops, run only where L x S <= {sz['ref_max_units']} ('–' elsewhere). Median "
+        f"of {rounds} interleaved rounds, each after one warmup call. Max abs err: largest "
+        "of every implementation vs mx.fast."
         + (f" Points skipped (too slow for the time budget): {', '.join(skipped)}."
            if skipped else ""),
     )
@@ -363,38 +412,48 @@ def ttft_once(model: Model, tokenizer: Any, prompt: list[int], attention: str) -
     return dict(seconds=seconds, steps=engine.stats()["num_steps"], token=token)
 
 
-def ttft_long(model: Model, tokenizer: Any, sz: dict[str, Any]) -> tuple[list[dict], Table]:
+def ttft_long(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
+              ) -> tuple[list[dict], Table]:
     rng = random.Random(2)
     vocab = model.config.vocab_size
+    prompts = {n: [rng.randrange(vocab) for _ in range(n)] for n in sz["ttft_prompts"]}
+    runs: dict[int, dict[str, list[dict]]] = {
+        n: {a: [] for a in TTFT_PATHS if n <= sz["ttft_ref_max"] or a not in MLX_WALKS}
+        for n in prompts}
+    for r in range(rounds):
+        for n, prompt in prompts.items():
+            paths = list(runs[n])
+            for att in paths[r % len(paths):] + paths[: r % len(paths)]:
+                runs[n][att].append(ttft_once(model, tokenizer, prompt, att))
+                print(f"  TTFT {n} tokens, {att}: {runs[n][att][-1]['seconds']:.2f} s",
+                      flush=True)
     data, rows = [], []
-    for n in sz["ttft_prompts"]:
-        prompt = [rng.randrange(vocab) for _ in range(n)]
-        attentions = ["reference", "kernel"] if n <= sz["ttft_ref_max"] else ["kernel"]
-        runs: dict[str, list[dict]] = {a: [] for a in attentions}
-        for r in range(sz["ttft_rounds"]):
-            for att in attentions if r % 2 == 0 else attentions[::-1]:
-                runs[att].append(ttft_once(model, tokenizer, prompt, att))
-                print(f"  TTFT {n} tokens, {att}: {runs[att][-1]['seconds']:.1f} s", flush=True)
-        t = {a: statistics.median(x["seconds"] for x in v) for a, v in runs.items()}
-        same = len({x["token"] for v in runs.values() for x in v}) == 1
-        d = dict(prompt_tokens=n, runs=runs, median_s=t, same_first_token=same)
-        data.append(d)
-        ref = t.get("reference")
-        rows.append([n, runs["kernel"][0]["steps"], None if ref is None else ref, t["kernel"],
-                     None if ref is None else ref / t["kernel"], "yes" if same else "NO"])
+    for n, by in runs.items():
+        t = {a: statistics.median(x["seconds"] for x in v) for a, v in by.items()}
+        ratio = statistics.median(v["seconds"] / f["seconds"]
+                                  for v, f in zip(by["vector"], by["flash"], strict=True))
+        same = len({x["token"] for v in by.values() for x in v}) == 1
+        data.append(dict(prompt_tokens=n, runs=by, median_s=t, vector_over_flash=ratio,
+                         same_first_token=same,
+                         spread={a: spread([x["seconds"] for x in v]) for a, v in by.items()}))
+        rows.append([n, by["flash"][0]["steps"], t["vector"], t["flash"], ratio,
+                     t.get("reference"), t.get("flash_reference"), "yes" if same else "NO"])
     table = Table(
-        "2. TTFT of one long prompt, Day 4 (attention='reference': the MLX page walk for "
-        "prefill rows) vs Day 5 (attention='kernel': tiled schedule), chunked prefill at the "
-        "default budget (512 tokens per step)",
-        ["prompt tokens", "steps", "Day 4 TTFT s", "Day 5 TTFT s", "Day 4 / Day 5",
+        "2. TTFT of one long prompt: Day 4 vector kernel (attention='vector') vs Day 5 tiled "
+        "kernel (attention='flash'), and the MLX reference walks ('reference', "
+        "'flash_reference'), chunked prefill at the default budget (512 tokens per step)",
+        ["prompt tokens", "steps", "Day 4 vector kernel TTFT s", "Day 5 tiled kernel TTFT s",
+         "vector / tiled", "MLX reference walk TTFT s", "MLX tiled reference walk TTFT s",
          "same first token"],
         rows,
-        ["", "", ".2f", ".2f", ".2f", ""],
+        ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ""],
         "One request, random token ids, max_tokens=1, otherwise engine defaults (paged, "
-        "prefix caching on, nothing to hit). TTFT: wall time from the first step to the "
-        f"token. {sz['ttft_rounds']} round(s), the two alternating; Day 4 is not run above "
-        f"{sz['ttft_ref_max']} tokens ('–'): its page walk gathers a page copy per query row, "
-        "O(prompt^2) bytes, minutes per prompt here.",
+        "prefix caching on, nothing to hit); the kernels on every core "
+        f"({ALL_THREADS} threads). TTFT: wall time from the first step to the token, median "
+        f"of {rounds} round(s) (the paths' order rotating); vector / tiled: median of "
+        "per-round ratios. The MLX walks are not run above "
+        f"{sz['ttft_ref_max']} tokens ('–'): they copy a page per query row (or per tile) "
+        "in every layer.",
     )
     return data, table
 
@@ -427,6 +486,7 @@ class TimedModel:
 
     def __call__(self, *args: Any) -> mx.array:
         t0 = time.perf_counter()
+        self._times["model_start"] = t0
         logits = self._model(*args)
         t1 = time.perf_counter()
         mx.eval(logits)
@@ -437,7 +497,8 @@ class TimedModel:
 
 
 class EngineRun:
-    """One engine of the round-robin loop: its own clock and per-step records."""
+    """One engine of the round-robin loop: its own clock and per-step records. Its public
+    parts are wrapped (on this instance only) to time a step's phases."""
 
     def __init__(self, label: str, engine: LLMEngine, prompts: list[list[int]],
                  outputs: list[int]):
@@ -450,42 +511,41 @@ class EngineRun:
         self.steps: list[dict[str, Any]] = []
         self.bpt = kv_bytes_per_token(engine.model.config, engine.model.dtype)
         self.peak_alloc = self.peak_live = 0
-        self._t = dict.fromkeys(("schedule", "metadata", "forward", "graph", "eval"), 0.0)
-        self._copied = 0
+        self._t = dict.fromkeys(("schedule", "schedule_end", "metadata", "begin", "graph",
+                                 "eval", "model_start"), 0.0)
         self._step_tokens = 0
         self._decode_only = True
         self._instrument()
 
     def _instrument(self) -> None:
         engine, t = self.engine, self._t
-        schedule, batch, forward = engine.scheduler.schedule, engine.kv.batch, engine._forward
+        schedule, layout, begin = (engine.scheduler.schedule, engine.kv.layout,
+                                   engine.attention.begin_step)
 
         def timed_schedule():
             start = time.perf_counter()
             chunks = schedule()
-            t["schedule"] += time.perf_counter() - start
+            t["schedule_end"] = time.perf_counter()
+            t["schedule"] += t["schedule_end"] - start
             self._step_tokens = sum(c.num_tokens for c in chunks)
             self._decode_only = all(c.request.num_computed_tokens >= len(c.request.prompt_token_ids)
                                     for c in chunks)
             return chunks
 
-        def timed_batch(chunks, query_start_loc):
+        def timed_layout(chunks):
             start = time.perf_counter()
-            kv = batch(chunks, query_start_loc)
+            out = layout(chunks)
             t["metadata"] += time.perf_counter() - start
-            if hasattr(kv, "context_slots"):  # Day 3's gather: context rows, all layers, K+V
-                self._copied += sum(int(s.shape[0]) for s in kv.context_slots) * self.bpt
-            return kv
+            return out
 
-        def timed_forward(chunks):
+        def timed_begin(step):
             start = time.perf_counter()
-            result = forward(chunks)
-            t["forward"] += time.perf_counter() - start
-            return result
+            begin(step)
+            t["begin"] += time.perf_counter() - start
 
         engine.scheduler.schedule = timed_schedule
-        engine.kv.batch = timed_batch
-        engine._forward = timed_forward
+        engine.kv.layout = timed_layout
+        engine.attention.begin_step = timed_begin
         engine.model = TimedModel(engine.model, t)
 
     def dense_sizes(self) -> list[int]:
@@ -498,7 +558,6 @@ class EngineRun:
     def step(self) -> None:
         for k in self._t:
             self._t[k] = 0.0
-        self._copied = 0
         before = self.dense_sizes()
         start = time.perf_counter()
         outputs = self.engine.step()
@@ -509,9 +568,11 @@ class EngineRun:
                 self.token_times[out.request_id] += [self.clock] * len(out.new_token_ids)
                 self.tokens[out.request_id] += out.new_token_ids
         # dense: a buffer that grew was copied (concatenate) at its old size
-        self._copied += sum(b for b, a in zip(before, self.dense_sizes(), strict=True)
-                            if b and a > b)
-        kv, stats = self.engine.kv, self.engine.stats()
+        copied = sum(b for b, a in zip(before, self.dense_sizes(), strict=True) if b and a > b)
+        engine = self.engine
+        if engine.config.attention == "gather":  # context rows of every sequence, all layers
+            copied += sum(engine.attention.step.context_lens) * self.bpt
+        kv, stats = engine.kv, engine.stats()
         if self.dense:
             live = sum(c.length for c in kv.caches) * self.bpt
         else:
@@ -520,11 +581,12 @@ class EngineRun:
         self.peak_alloc = max(self.peak_alloc, stats["kv_cache_bytes"])
         self.peak_live = max(self.peak_live, live)
         t = self._t
+        build = t["model_start"] - t["schedule_end"]  # StepBatch.build + begin_step
         self.steps.append(dict(
             seconds=dt, tokens=self._step_tokens, decode_only=self._decode_only,
-            schedule=t["schedule"], metadata=t["metadata"], graph=t["graph"], eval=t["eval"],
-            layout=t["forward"] - t["metadata"] - t["graph"] - t["eval"],
-            sample_update=dt - t["schedule"] - t["forward"], copied=self._copied,
+            schedule=t["schedule"], metadata=t["metadata"], begin=t["begin"],
+            layout=build - t["metadata"] - t["begin"], graph=t["graph"], eval=t["eval"],
+            sample_update=dt - t["schedule"] - build - t["graph"] - t["eval"], copied=copied,
             sampled=sum(1 for o in outputs if o.new_token_ids),
         ))
 
@@ -625,26 +687,27 @@ def summarize(run: Any, ids: list[Any]) -> dict[str, Any]:
                 itl_p50=percentile(gaps, 50), itl_p99=percentile(gaps, 99), steps=len(run.steps))
 
 
+BREAKDOWN = ("seconds", "schedule", "metadata", "layout", "begin", "graph", "eval",
+             "sample_update")
+
+
 def breakdown(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    keys = ("seconds", "schedule", "metadata", "layout", "graph", "eval", "sample_update")
     out = {}
     for kind, sel in (("decode", [s for s in steps if s["decode_only"]]),
                       ("prefill", [s for s in steps if not s["decode_only"]])):
         if sel:
-            out[kind] = {k: statistics.fmean(s[k] for s in sel) for k in keys}
+            out[kind] = {k: statistics.fmean(s[k] for s in sel) for k in BREAKDOWN}
             out[kind]["n"] = len(sel)
             out[kind]["tokens"] = statistics.fmean(s["tokens"] for s in sel)
     return out
 
 
-def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
-                ) -> tuple[dict[str, Any], list[Table]]:
+def progression_round(model: Model, tokenizer: Any, sz: dict[str, Any], lm: Any,
+                      prompts: list[list[int]], outputs: list[int], num_pages: int
+                      ) -> dict[str, Any]:
+    """One round of (3): every configuration and mlx-lm, stepped round-robin."""
     from mlx_lm.generate import batch_generate
 
-    prompts, outputs = workload(sz, model.config.vocab_size)
-    longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
-    num_pages = MAX_NUM_SEQS * blocks_needed(longest, PAGE_SIZE)
-    lm = mlx_lm_model(model)
     runs: list[Any] = []
     for label, opts in CONFIGS:
         paged = opts.get("kv_cache", "paged") == "paged"
@@ -663,7 +726,7 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
             break
         for run in active:
             run.step()
-            if run.label == "final" and len(run.steps) % 2 == 0:  # its GEMMs alone, now
+            if run.label == FINAL and len(run.steps) % 2 == 0:  # its GEMMs alone, now
                 last = run.steps[-1]
                 last["gemm_alone"] = probe.time(last["tokens"], max(1, last["sampled"]))
         loops += 1
@@ -682,8 +745,6 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
         generated = sum(map(len, resp.token_ids))
         plain = dict(seconds=wall, generated=generated, tok_per_s=generated / wall,
                      prompt_tps=resp.stats.prompt_tps, generation_tps=resp.stats.generation_tps,
-                     prompt_time=resp.stats.prompt_time,
-                     generation_time=resp.stats.generation_time,
                      token_ids=resp.token_ids)
 
     base = runs[0]
@@ -699,56 +760,105 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
             st = run.engine.stats()
             s.update(peak_kv_live=run.peak_live,
                      copied_per_step=statistics.fmean(x["copied"] for x in run.steps),
-                     copied_total=sum(x["copied"] for x in run.steps),
                      prompt_tokens_computed=st["num_prompt_tokens_computed"],
                      preemptions=st["num_preemptions"],
                      prefix_hit_tokens=st.get("prefix_cache_hit_tokens"),
-                     breakdown=breakdown(run.steps), step_records=run.steps)
+                     step_records=run.steps)
         results[run.label] = s
     if plain is not None:
         plain["tokens_match"] = sum(a == b for a, b in zip(plain.pop("token_ids"), base_tokens,
                                                           strict=True))
+    return dict(results=results, batch_generate=plain, pool_copies=pool_copies)
+
+
+def progression(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
+                ) -> tuple[dict[str, Any], list[Table]]:
+    prompts, outputs = workload(sz, model.config.vocab_size)
+    longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
+    num_pages = MAX_NUM_SEQS * blocks_needed(longest, PAGE_SIZE)
+    lm = mlx_lm_model(model)
+    rnds = []
+    for r in range(rounds):
+        rnds.append(progression_round(model, tokenizer, sz, lm, prompts, outputs, num_pages))
+        print(f"  progression round {r + 1}/{rounds} done", flush=True)
+    labels = list(rnds[0]["results"])
+    timed = ("tok_per_s", "seconds", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+    counted = ("generated", "tokens_match", "prompt_tokens_computed", "prefix_hit_tokens",
+               "steps")
+    results: dict[str, Any] = {}
+    for label in labels:
+        first = rnds[0]["results"][label]
+        s = {k: v for k, v in first.items() if k not in timed and k != "step_records"}
+        for k in counted:
+            if k in first and any(rnd["results"][label][k] != first[k] for rnd in rnds):
+                raise RuntimeError(f"{label}: {k} differs between rounds")
+        for k in timed:
+            sp = spread([rnd["results"][label][k] for rnd in rnds])
+            s[k], s[k + "_spread"] = sp["median"], sp
+        s["x_static"] = statistics.median(rnd["results"][label]["tok_per_s"]
+                                          / rnd["results"]["static"]["tok_per_s"] for rnd in rnds)
+        if "step_records" in first:
+            s["step_records"] = [x for rnd in rnds for x in rnd["results"][label]["step_records"]]
+            s["breakdown"] = breakdown(s["step_records"])
+        results[label] = s
+    plain = None
+    if rnds[0]["batch_generate"] is not None:
+        plain = dict(rnds[0]["batch_generate"])
+        sp = spread([rnd["batch_generate"]["tok_per_s"] for rnd in rnds])
+        plain["tok_per_s"], plain["tok_per_s_spread"] = sp["median"], sp
+        plain["x_static"] = statistics.median(rnd["batch_generate"]["tok_per_s"]
+                                              / rnd["results"]["static"]["tok_per_s"]
+                                              for rnd in rnds)
+    pool_copies = sum(rnd["pool_copies"] for rnd in rnds)
     mib = 2**20
-    first = results["static"]
+    options = dict(CONFIGS)
     rows = []
     for label, s in results.items():
-        rows.append([label, s["tok_per_s"], s["tok_per_s"] / first["tok_per_s"],
+        opts = options.get(label)
+        paged = opts is not None and opts.get("kv_cache", "paged") == "paged"
+        caching = (("on" if opts.get("enable_prefix_caching", True) else "off") if paged
+                   else "–")
+        rows.append([label, caching, s["tok_per_s"], s["x_static"],
                      s["ttft_p50"], s["ttft_p99"], s["itl_p50"] * 1e3, s["itl_p99"] * 1e3,
                      s["peak_kv_alloc"] / mib,
                      None if s.get("peak_kv_live") is None else s["peak_kv_live"] / mib,
                      None if "copied_per_step" not in s else s["copied_per_step"] / mib,
-                     s.get("prompt_tokens_computed"), s["steps"],
+                     s.get("prompt_tokens_computed"), s.get("prefix_hit_tokens"), s["steps"],
                      f"{s['tokens_match']}/{len(prompts)}"])
     if plain is not None:
-        rows.append(["mlx-lm batch_generate (alone)", plain["tok_per_s"],
-                     plain["tok_per_s"] / first["tok_per_s"], None, None, None, None, None,
-                     None, None, None, None, f"{plain['tokens_match']}/{len(prompts)}"])
+        rows.append(["mlx-lm batch_generate (alone)", "–", plain["tok_per_s"],
+                     plain["x_static"], None, None, None, None, None, None, None, None, None,
+                     None, f"{plain['tokens_match']}/{len(prompts)}"])
     n_prefixed = (len(prompts) + 1) // 2
     t_main = Table(
         f"3. The progression on one workload: {len(prompts)} requests at t=0, prompts "
         f"{sz['prompt'][0]}-{sz['prompt'][1]} tokens ({n_prefixed} of them starting with the "
-        f"same {sz['prefix']}-token system prefix), outputs {sz['output'][0]}-"
-        f"{sz['output'][1]} tokens (greedy, ignore_eos), max_num_seqs={MAX_NUM_SEQS}",
-        ["configuration", "output tok/s", "x static", "TTFT p50 s", "TTFT p99 s",
-         "ITL p50 ms", "ITL p99 ms", "peak KV MiB alloc", "peak KV MiB live",
-         "attention MiB copied / step", "prompt tokens computed", "steps",
-         "tokens = static"],
+        f"same {sz['prefix']}-token system prefix, {sum(map(len, prompts))} prompt tokens in "
+        f"all), outputs {sz['output'][0]}-{sz['output'][1]} tokens (greedy, ignore_eos), "
+        f"max_num_seqs={MAX_NUM_SEQS}",
+        ["configuration", "prefix caching", "output tok/s", "x static", "TTFT p50 s",
+         "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak KV MiB alloc", "peak KV MiB live",
+         "attention MiB copied / step", "prompt tokens computed", "prefix cache hit tokens",
+         "steps", "tokens = static"],
         rows,
-        ["", ".1f", ".2f", ".2f", ".2f", ".0f", ".0f", ".1f", ".1f", ".2f", "", "", ""],
+        ["", "", ".1f", ".2f", ".2f", ".2f", ".0f", ".0f", ".1f", ".1f", ".2f", "", "", "",
+         ""],
         "All rows but the last were stepped round-robin in one loop, each on its own clock "
-        "(sum of its step times; all requests arrive at 0). Paged rows: pool of "
-        f"{num_pages} pages x {PAGE_SIZE} tokens ({MAX_NUM_SEQS} x the longest request), "
-        "prefix caching on; 'alloc' is stats()['kv_cache_bytes'] (the pool, or the dense "
+        "(sum of its step times; all requests arrive at 0); medians of "
+        f"{rounds} round(s), 'x static' the median of per-round ratios. Paged rows: pool of "
+        f"{num_pages} pages x {PAGE_SIZE} tokens ({MAX_NUM_SEQS} x the longest request); "
+        "the paged rows with prefix caching off differ only in attention (gather: Day 3; "
+        "MLX walk: Day 4's page walk in MLX ops; vector kernel: Day 4; tiled kernel: Day "
+        "5), and each off/on pair only in prefix caching, whose effect shows in the prompt "
+        "tokens computed. 'alloc' is stats()['kv_cache_bytes'] (the pool, or the dense "
         "buffers as grown), 'live' the K/V of tokens stored (paged: referenced pages). "
         "Copied / step: gather = context rows x all layers x K+V per step; dense = buffer "
-        "growth (concatenate) copies; direct paged / final write in place (kernel "
-        f"pool_copies() during the loop: {pool_copies}). mlx-lm: BatchGenerator with the same "
-        "float32 arrays, completion/prefill batch 8, prefill_step_size 2048 (whole prompts, "
-        "left-padded per batch), no prefix cache, no stop tokens, each step ended with "
-        "mx.synchronize so the step it queued with async_eval runs on its own clock; 'peak KV "
-        "alloc' is its prompt_cache_nbytes. The last row is one plain "
-        "mlx_lm.generate.batch_generate call, timed wall-clock alone after the loop (tok/s = "
-        "generated tokens / call time; not interleaved, so exposed to the load of the moment).",
+        "growth (concatenate) copies; walks and kernels write in place (kernel "
+        f"pool_copies() during the loops: {pool_copies}). mlx-lm: BatchGenerator with the "
+        "same float32 arrays, completion/prefill batch 8, whole prompts left-padded per "
+        "batch, no prefix cache, no stop tokens, each step ended with mx.synchronize; "
+        "'peak KV alloc' is its prompt_cache_nbytes. The last row is one plain "
+        "mlx_lm.generate.batch_generate call per round, timed alone after the loop.",
     )
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rows = []
@@ -756,27 +866,29 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
         for kind, b in s.get("breakdown", {}).items():
             rows.append([label, kind, b["n"], b["tokens"], b["seconds"] * 1e3,
                          b["schedule"] * 1e3, b["metadata"] * 1e3, b["layout"] * 1e3,
-                         b["graph"] * 1e3, b["eval"] * 1e3, b["sample_update"] * 1e3,
-                         (b["seconds"] - b["eval"]) / b["seconds"],
+                         b["begin"] * 1e3, b["graph"] * 1e3, b["eval"] * 1e3,
+                         b["sample_update"] * 1e3, (b["seconds"] - b["eval"]) / b["seconds"],
                          weight_bytes / b["eval"] / 1e9 if kind == "decode" else None])
     t_steps = Table(
-        "3b. Where a step's time goes (mean ms per step; decode = steps with only decode "
-        "tokens, prefill = steps with any prefill chunk)",
+        "3b. Where a step's time goes (mean ms per step over all rounds; decode = steps with "
+        "only decode tokens, prefill = steps with any prefill chunk)",
         ["configuration", "step kind", "n", "tokens / step", "step ms", "schedule",
-         "block tables", "batch layout", "graph build", "forward eval", "sample + update",
-         "non-eval share", "weights GB/s in eval"],
+         "KV layout", "batch layout", "attention metadata", "graph build", "forward eval",
+         "sample + update", "non-eval share", "weights GB/s in eval"],
         rows,
-        ["", "", "", ".0f", ".1f", ".2f", ".2f", ".2f", ".1f", ".1f", ".2f", ".2f", ".1f"],
-        "schedule: Scheduler.schedule(); block tables: kv.batch() (slot mapping, block "
-        "tables, context lengths as MLX arrays); batch layout: the rest of the engine's "
-        "_forward in Python (token ids, positions, logit rows); graph build: the model call "
-        "building the lazy MLX graph; forward eval: mx.eval of the logits (all layers' "
-        "compute); sample + update: argmax, appending tokens, stop checks, outputs. "
-        "Non-eval share = (step - forward eval) / step: Python and MLX dispatch overhead. "
-        f"Weights GB/s: the model's {weight_bytes / 1e6:.0f} MB of weights, which every "
-        "decode step streams once, / forward eval time.",
+        ["", "", "", ".0f", ".1f", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f", ".2f", ".2f",
+         ".1f"],
+        "schedule: engine.scheduler.schedule(); KV layout: engine.kv.layout() (block tables "
+        "and slot mapping, or the dense caches); batch layout: the rest of StepBatch.build "
+        "(token ids, positions, logit rows); attention metadata: the backend's begin_step "
+        "(gather slot lists, page-walk tables, kernel metadata arrays); graph build: the "
+        "model call building the lazy MLX graph; forward eval: mx.eval of the logits (all "
+        "layers' compute); sample + update: sampling, appending tokens, stop checks, "
+        "outputs. Non-eval share = (step - forward eval) / step: Python and MLX dispatch "
+        f"overhead. Weights GB/s: the model's {weight_bytes / 1e6:.0f} MB of weights, which "
+        "every decode step streams once, / forward eval time.",
     )
-    shares = gemm_share(results["final"]["step_records"])
+    shares = gemm_share(results[FINAL]["step_records"])
     rows = [[kind, g["n"], g["tokens"], g["step"] * 1e3, g["eval"] * 1e3, g["gemm"] * 1e3,
              g["gemm"] / g["eval"], (g["eval"] - g["gemm"]) * 1e3, (g["step"] - g["eval"]) * 1e3]
             for kind, g in shares.items()]
@@ -787,12 +899,14 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any]
          "GEMMs alone ms", "GEMM share of eval", "rest of eval ms", "outside eval ms"],
         rows,
         ["", "", ".0f", ".1f", ".1f", ".1f", ".2f", ".1f", ".1f"],
-        f"GEMMs alone: the {len(probe.weights)} linear layers at the step's token count plus "
-        "the tied vocabulary projection at one row per sampled sequence, evaluated in one "
-        "mx.eval. Rest of eval: attention (kernel), K/V page writes, RMSNorm, RoPE, SiLU, "
-        "residual adds, embedding lookup. Outside eval: scheduler, metadata, graph "
-        "construction, sampling and bookkeeping (table 3b).",
+        "GEMMs alone: every linear layer at the step's token count plus the tied vocabulary "
+        "projection at one row per sampled sequence, evaluated in one mx.eval. Rest of "
+        "eval: attention (kernel), K/V page writes, RMSNorm, RoPE, SiLU, residual adds, "
+        "embedding lookup. Outside eval: scheduler, metadata, graph construction, sampling "
+        "and bookkeeping (table 3b).",
     )
+    for s in results.values():
+        s.pop("step_records", None)
     data = dict(configs=[dict(label=label, options=opts) for label, opts in CONFIGS],
                 workload=dict(prompt_lens=[len(p) for p in prompts], outputs=outputs,
                               prefix=sz["prefix"]),
@@ -814,9 +928,11 @@ def make_figure(attn: list[dict], ttft: list[dict], prog: dict[str, Any]) -> Any
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     ax = axes[0][0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    one = THREADS[0]
     for i, L in enumerate(sorted({d["query_len"] for d in attn})):
         pts = [d for d in attn if d["query_len"] == L]
-        for impl, style in (("kernel", "-o"), ("mx.fast", "--s"), ("reference", ":^")):
+        for impl, style in ((tiled_name(one), "-o"), (vector_name(one), "-.d"),
+                            ("mx.fast", "--s"), ("MLX tiled reference walk", ":^")):
             xy = [(d["context"], d["median_s"][impl] * 1e3) for d in pts if impl in d["median_s"]]
             if xy:
                 ax.plot(*zip(*xy, strict=True), style, color=colors[i % len(colors)],
@@ -825,16 +941,16 @@ def make_figure(attn: list[dict], ttft: list[dict], prog: dict[str, Any]) -> Any
     ax.set_yscale("log")
     ax.set_xlabel("context S (tokens)")
     ax.set_ylabel("ms (one layer)")
-    ax.set_title("Prefill attention: L query tokens at the end of S")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("Prefill attention: L query tokens at the end of S (1 thread)")
+    ax.legend(fontsize=6, ncol=2)
 
     ax = axes[0][1]
     ns = [d["prompt_tokens"] for d in ttft]
     x = np.arange(len(ns))
-    for off, impl, label in ((-0.2, "reference", "Day 4 (page walk)"),
-                             (0.2, "kernel", "Day 5 (tiled kernel)")):
-        vals = [d["median_s"].get(impl, np.nan) for d in ttft]
-        ax.bar(x + off, vals, 0.4, label=label)
+    width = 0.8 / len(TTFT_PATHS)
+    for i, (att, label) in enumerate(TTFT_PATHS.items()):
+        vals = [d["median_s"].get(att, np.nan) for d in ttft]
+        ax.bar(x + (i - (len(TTFT_PATHS) - 1) / 2) * width, vals, width, label=label)
     ax.set_xticks(x, [str(n) for n in ns])
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")
@@ -851,7 +967,7 @@ def make_figure(attn: list[dict], ttft: list[dict], prog: dict[str, Any]) -> Any
             ax.axhline(prog["batch_generate"]["tok_per_s"], color=colors[1], ls="--",
                        label="mlx-lm batch_generate, alone")
             ax.legend(fontsize=8)
-        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel(ylabel)
         ax.set_title(f"Progression: {ylabel}")
     fig.tight_layout()
@@ -859,9 +975,7 @@ def make_figure(attn: list[dict], ttft: list[dict], prog: dict[str, Any]) -> Any
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny random model, small sizes")
-    args = ap.parse_args()
+    args = bench_parser(__doc__).parse_args()
     sz = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -872,21 +986,22 @@ def main() -> None:
     warm.generate([list(range(1, 100)), list(range(5, 60))], greedy(4), use_tqdm=False)
     t = lap(timings, "load+warmup", t_start)
 
-    attn_data, attn_table = prefill_attention(sz)
+    attn_data, attn_table = prefill_attention(sz, args.rounds)
     t = lap(timings, "prefill attention", t)
-    ttft_data, ttft_table = ttft_long(model, tokenizer, sz)
+    ttft_data, ttft_table = ttft_long(model, tokenizer, sz, args.rounds)
     t = lap(timings, "TTFT long prompts", t)
-    prog_data, prog_tables = progression(model, tokenizer, sz)
+    prog_data, prog_tables = progression(model, tokenizer, sz, args.rounds)
     t = lap(timings, "progression", t)
 
     timings["total"] = time.perf_counter() - t_start
     data = dict(model=model_name, sizes=sz, page_size=PAGE_SIZE, extension=ext_info,
+                kernel_threads=THREADS,
                 kv_bytes_per_token=kv_bytes_per_token(model.config, model.dtype),
                 prefill_attention=attn_data, ttft_long=ttft_data, progression=prog_data,
                 seconds=timings)
     fig = make_figure(attn_data, ttft_data, prog_data)
     save_results(NAME + ("_quick" if args.quick else ""), data,
-                 [attn_table, ttft_table, *prog_tables], fig)
+                 [attn_table, ttft_table, *prog_tables], fig, rounds=args.rounds)
     print(f"total {timings['total']:.0f} s")
 
 

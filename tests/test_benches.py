@@ -1,0 +1,50 @@
+"""The measurement scripts in ``benches/`` still import and take the common options.
+
+Every ``benches/bench_*.py`` runs in a fresh interpreter with ``--help``: that imports the
+script and everything it imports (``tiny_llm`` before ``mlx.core``, as in a real run) and
+builds its parser, so a script broken by an API change fails here rather than when someone
+next runs it. Nothing is measured (``--quick`` runs are too slow for the test suite).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted((ROOT / "benches").glob("bench_*.py"))
+COMMON_OPTIONS = ("--quick", "--rounds", "--learner")  # common.bench_parser
+
+
+def test_there_are_benchmarks():
+    assert BENCHES, "no benches/bench_*.py found"
+
+
+@pytest.mark.parametrize("script", BENCHES, ids=[p.stem for p in BENCHES])
+def test_bench_imports_and_parses_its_options(script: Path):
+    proc = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, (
+        f"`python benches/{script.name} --help` failed (exit {proc.returncode}):\n"
+        f"{proc.stderr[-3000:]}"
+    )
+    missing = [o for o in COMMON_OPTIONS if o not in proc.stdout]
+    assert not missing, f"{script.name} lacks the common options {missing} (use bench_parser)"
+
+
+def test_quick_outputs_are_git_ignored():
+    """``--quick`` writes ``benchmark_results/<name>_quick.*``: never committed."""
+    paths = [f"benchmark_results/bench_x_quick.{ext}" for ext in ("json", "md", "png")]
+    try:
+        proc = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip("git is not available")
+    if proc.returncode == 128:
+        pytest.skip(f"git check-ignore failed: {proc.stderr.strip()}")
+    ignored = set(proc.stdout.split())
+    assert ignored == set(paths), ".gitignore must ignore benchmark_results/*_quick.*"
