@@ -212,6 +212,7 @@ def plot(counts: dict[str, np.ndarray]):
         ax.set_title(f"{name}: share of routed tokens")
         ax.set_xlabel("expert")
         ax.set_ylabel("sparse layer")
+        ax.set_yticks(range(c.shape[0]))
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return fig
