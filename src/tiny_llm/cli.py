@@ -1,4 +1,5 @@
-"""``tiny-llm chat``, ``generate`` and ``course``: the engine and the course from a terminal.
+"""``tiny-llm chat``, ``generate``, ``serve`` and ``course``: the engine and the course from
+a terminal. ``serve`` runs an OpenAI-compatible HTTP server (``server.py``).
 
 Both ``chat`` and ``generate`` run the serving engine (``LLMEngine``); every engine option
 is a flag (``--kv-cache dense``, ``--attention reference``, ``--num-pages 64``, ...), so
@@ -58,16 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--min-p", type=float, default=0.0)
         p.add_argument("--max-tokens", type=int, default=512 if name == "chat" else 128)
         p.add_argument("--seed", type=int, default=None)
-        engine = p.add_argument_group("engine options (default: the final engine)")
-        for flag, dest, kind, help_engine in ENGINE_FLAGS:
-            engine.add_argument(flag, dest=dest, type=kind, default=None, help=help_engine)
-        engine.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
-                            action="store_false", default=None, help="prefill prompts whole")
-        engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                            action="store_false", default=None, help="never share pages")
-        engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
-        p.add_argument("--learner", action="store_true",
-                       help="run on your workspace's modules (the course), else the reference")
+        add_engine_options(p)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--model", default=None, help="HF folder, hub id or .gguf file")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: --model, or the default's)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-waiting", type=int, default=None,
+                       help="answer 503 while this many requests wait (default: no limit)")
+    add_engine_options(serve)
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as-is")
@@ -80,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     test = steps.add_parser("test", help="run a day's or a task's tests on your workspace")
     test.add_argument("which", help="a day (3) or a task (3.2)")
     return parser
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    engine = p.add_argument_group("engine options (default: the final engine)")
+    for flag, dest, kind, help_engine in ENGINE_FLAGS:
+        engine.add_argument(flag, dest=dest, type=kind, default=None, help=help_engine)
+    engine.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
+                        action="store_false", default=None, help="prefill prompts whole")
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", default=None, help="never share pages")
+    engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
+    p.add_argument("--learner", action="store_true",
+                   help="run on your workspace's modules (the course), else the reference")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,6 +125,17 @@ def print_stats(engine, args: argparse.Namespace) -> None:
     if args.stats:
         for key, value in engine.stats().items():
             print(f"{key}: {value}", file=sys.stderr)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tiny_llm.loader import DEFAULT_GGUF
+    from tiny_llm.server import serve
+
+    engine = load_engine(args)
+    name = args.served_model_name or args.model or DEFAULT_GGUF.removesuffix(".gguf")
+    serve(engine, name, host=args.host, port=args.port, max_waiting=args.max_waiting)
+    print_stats(engine, args)
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -235,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TINY_LLM_LEARNER", "1")  # before any day is imported
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
         return run_chat(args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
         print(f"tiny-llm: error: {e}", file=sys.stderr)

@@ -337,6 +337,8 @@ class PagedScheduler(ChunkedPrefillScheduler):
         if n == 0:
             self.kv.free(req)
             req.num_computed_tokens = 0
+        elif req.num_cached_tokens is None:  # what usage reports, as vLLM does
+            req.num_cached_tokens = min(req.num_computed_tokens, len(req.prompt_token_ids))
         return n
 
     def make_room(self, req, num_tokens: int, plan: dict, budget) -> bool:

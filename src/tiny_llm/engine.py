@@ -302,6 +302,10 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids ``prompt`` would be served with (chat messages templated)."""
+        return self._check_prompt(self._tokenize(prompt)[1])
+
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list]:
         if isinstance(prompt, str):
             if not prompt:

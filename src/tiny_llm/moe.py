@@ -43,7 +43,7 @@ class Routing(NamedTuple):
 
 def route(logits: mx.array, top_k: int, normalize: bool) -> Routing:
     """The top-``top_k`` experts of each row of router ``logits [T, E]`` and their weights."""
-    # TASK 7.1: route each row to its top-k experts — Routing
+    # TASK 7.1: route — Routing
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     experts = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[:, :top_k]
     weights = mx.take_along_axis(probs, experts, axis=-1)
@@ -63,7 +63,7 @@ class Dispatch(NamedTuple):
 
 def dispatch(x: mx.array, experts: mx.array) -> Dispatch:
     """Group the assignments of ``experts [T, k]`` by expert and gather their rows of ``x``."""
-    # TASK 7.2: sort the assignments by expert and gather their rows — Dispatch
+    # TASK 7.2: dispatch — Dispatch
     flat = experts.reshape(-1)
     order = mx.argsort(flat)
     rows = x[order // experts.shape[1]]
@@ -75,7 +75,7 @@ def dispatch(x: mx.array, experts: mx.array) -> Dispatch:
 # ANCHOR: combine
 def combine(outputs: mx.array, order: mx.array, weights: mx.array) -> mx.array:
     """Sum each row's expert ``outputs`` (sorted as ``order``) with its routing ``weights``."""
-    # TASK 7.3: put the outputs back in assignment order and sum each row's k — Combine
+    # TASK 7.3: combine — Combine
     T, k = weights.shape
     in_order = mx.zeros_like(outputs).at[order].add(outputs)
     per_row = in_order.reshape(T, k, -1).astype(mx.float32)
@@ -162,10 +162,9 @@ def expert_bounds(sorted_ids: mx.array) -> list[tuple[int, int, int]]:
 
 
 # ANCHOR: dispatch_choice
-# On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get two
-# or more rows each (prefill chunks); at one row per expert or fewer (decode) the gathered
-# matmul wins
-# (benches/bench_week3_moe.py, table 2). On a GPU the gathered matmul is the fast path.
+# On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get a few
+# rows each (prefill chunks); at one row per expert or fewer (decode) the gathered matmul
+# wins (benches/bench_week3_moe.py, table 2). On a GPU the gathered matmul is the fast path.
 LOOP_MIN_ROWS_PER_EXPERT = 2
 
 

@@ -48,6 +48,7 @@ class RequestOutput:
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finish_reason(self) -> str | None:
@@ -83,6 +84,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         # Speculative decoding: tokens proposed for the next positions, to be verified by
         # the next step (not part of the request's tokens until accepted), and the
         # proposer's distribution at each (None: a deterministic proposal).
@@ -173,5 +175,6 @@ class Request:
             self.is_finished,
             new_token_ids,
             text_delta,
+            self.num_cached_tokens or 0,
         )
 # ANCHOR_END: request

@@ -1,0 +1,516 @@
+"""An OpenAI-compatible HTTP server on the engine: ``tiny-llm serve``.
+
+Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
+server-sent events or not), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(Prometheus text). Starlette routes, uvicorn serves, sse-starlette streams.
+
+One thread drives the engine (``EngineLoop``): it calls ``engine.step()`` while requests
+are unfinished and sleeps otherwise. HTTP handlers run on the event loop and never hold
+the engine's lock: adding and aborting requests happen in worker threads (they wait at
+most one step for the lock), and each request's outputs reach its handler through its
+own ``asyncio.Queue``. A request joins the running batch at the next step; a client that
+disconnects aborts its request, which frees its pages at once.
+
+Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
+invalid parameters (the engine's own checks, with their messages), 400 with code
+``context_length_exceeded`` when prompt + max_tokens exceed ``max_model_len``, 404 for
+another model's name, 503 when ``max_waiting`` requests already wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiny_llm.engine import LLMEngine
+from tiny_llm.request import RequestOutput
+from tiny_llm.sampling import SamplingParams
+
+log = logging.getLogger("tiny_llm")
+
+# Latency buckets (seconds) for TTFT, inter-token and per-token histograms.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+# ANCHOR: engine_loop
+class EngineLoop:
+    """Drives ``engine.step()`` in its own thread; hands outputs to per-request queues."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.num_aborted = 0  # requests whose client went away before their end
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tiny-llm-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add(self, prompt: Any, params: SamplingParams,
+            loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Queue]:
+        """Add a request (from a worker thread); its queue is registered before the engine
+        can produce an output for it. Raises the engine's ValueError/TypeError."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = (loop, queue)
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id)
+        except BaseException:
+            del self.queues[request_id]
+            raise
+        self._wake.set()
+        return request_id, queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request whose client went away (from a worker thread); a no-op if it
+        finished meanwhile."""
+        try:
+            self.engine.abort(request_id)
+        except ValueError:
+            return
+        self.num_aborted += 1
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # the step changed nothing; end its requests, go on
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out, out.finished)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
+        entry = self.queues.pop(request_id, None) if last else self.queues.get(request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Abort every request (their abort outputs, returned by the next step, find no
+        queue) and hand each handler the error instead."""
+        for request_id in list(self.queues):
+            try:
+                self.engine.abort(request_id)
+            except ValueError:
+                pass
+            self._deliver(request_id, error, last=True)
+# ANCHOR_END: engine_loop
+
+
+# ANCHOR: metrics
+class Metrics:
+    """Latency histograms observed by the handlers, plus the engine's gauges and counters
+    read at scrape time (``collect``)."""
+
+    def __init__(self, engine: LLMEngine, aborted):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.engine, self.aborted = engine, aborted
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("tiny_llm_time_to_first_token_seconds",
+                              "From arrival to the first output token")
+        self.itl = histogram("tiny_llm_inter_token_latency_seconds",
+                             "Between consecutive output tokens of a request")
+        self.tpot = histogram("tiny_llm_time_per_output_token_seconds",
+                              "A finished request's decode time per token after the first")
+        self.e2e = histogram("tiny_llm_e2e_request_latency_seconds",
+                             "From arrival to the last output")
+        self.registry.register(self)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.engine.stats()
+        yield GaugeMetricFamily("tiny_llm_num_requests_running", "Requests running",
+                                value=stats["num_running"])
+        yield GaugeMetricFamily("tiny_llm_num_requests_waiting", "Requests waiting",
+                                value=stats["num_waiting"])
+        yield CounterMetricFamily("tiny_llm_num_preemptions", "Requests preempted",
+                                  value=stats["num_preemptions"])
+        yield CounterMetricFamily("tiny_llm_num_aborted_requests",
+                                  "Requests aborted because their client went away",
+                                  value=self.aborted())
+        yield CounterMetricFamily("tiny_llm_generation_tokens", "Output tokens",
+                                  value=stats["num_generated_tokens"])
+        yield CounterMetricFamily("tiny_llm_prompt_tokens_computed", "Prompt tokens computed",
+                                  value=stats["num_prompt_tokens_computed"])
+        if "num_pages" in stats:
+            yield GaugeMetricFamily("tiny_llm_kv_pages_in_use", "KV pages held",
+                                    value=stats["num_pages"] - stats["num_free_pages"])
+            yield GaugeMetricFamily("tiny_llm_kv_pages_total", "KV pages in the pool",
+                                    value=stats["num_pages"])
+            queried = stats["prefix_cache_query_tokens"]
+            yield GaugeMetricFamily(
+                "tiny_llm_prefix_cache_hit_rate", "Prompt tokens served from cached pages, "
+                "as a share of the prompt tokens looked up",
+                value=stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+
+
+@dataclass
+class Timeline:
+    """When a request arrived and produced tokens (for the latency histograms)."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    def tokens_out(self, metrics: Metrics, n: int) -> None:
+        if n == 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            metrics.ttft.observe(now - self.arrival)
+        else:
+            metrics.itl.observe((now - self.last) / n)
+        self.last, self.tokens = now, self.tokens + n
+
+    def done(self, metrics: Metrics) -> None:
+        end = time.perf_counter()
+        metrics.e2e.observe(end - self.arrival)
+        if self.first is not None and self.tokens > 1:
+            metrics.tpot.observe((self.last - self.first) / (self.tokens - 1))
+# ANCHOR_END: metrics
+
+
+# ANCHOR: parse
+@dataclass
+class ParsedRequest:
+    prompt: Any  # text, token ids or chat messages: what engine.add_request takes
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+
+
+def parse_request(body: Any, chat: bool, model_name: str, engine: LLMEngine) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if body.get("model") not in (None, model_name):
+        raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
+                       f"{model_name!r}", param="model", code="model_not_found")
+    if body.get("n", 1) != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    prompt = chat_messages(body) if chat else completion_prompt(body)
+    options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None and not chat:
+        max_tokens = 16  # OpenAI's default for completions
+    try:
+        params = SamplingParams(max_tokens=max_tokens, **options)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e)) from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be a boolean", param="stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
+    return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")))
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, "each message needs a role and a content", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, "message content must be a string", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def completion_prompt(body: dict) -> Any:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return {"prompt_token_ids": prompt}
+    raise APIError(400, "prompt must be a string or a list of token ids (one prompt)",
+                   param="prompt")
+
+
+def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams) -> int:
+    """The prompt's token count; raise when prompt + max_tokens exceed ``max_model_len``."""
+    try:
+        ids = engine.tokenize(prompt)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="prompt") from None
+    limit = engine.max_model_len
+    asked = len(ids) + (params.max_tokens or 0)
+    if len(ids) >= limit or asked > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                       f"you requested {asked} tokens ({len(ids)} in the prompt, "
+                       f"{params.max_tokens or 0} for the completion).",
+                       param="messages" if isinstance(prompt, list) else "prompt",
+                       code="context_length_exceeded")
+    return len(ids)
+# ANCHOR_END: parse
+
+
+# ANCHOR: handlers
+class Server:
+    """The HTTP side: parses requests, feeds the engine loop, shapes OpenAI responses."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None):
+        self.engine, self.model_name, self.max_waiting = engine, model_name, max_waiting
+        self.loop = EngineLoop(engine)
+        self.metrics = Metrics(engine, lambda: self.loop.num_aborted)
+        self.created = int(time.time())
+
+    async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, asyncio.Queue,
+                                                            int, Timeline]:
+        parsed = parse_request(body, chat, self.model_name, self.engine)
+        num_prompt = check_context_length(self.engine, parsed.prompt, parsed.params)
+        # len() of the scheduler's queue without the engine's lock: never wait for a step here
+        if self.max_waiting is not None and len(self.engine.scheduler.waiting) >= \
+                self.max_waiting:
+            raise APIError(503, f"the server is overloaded ({self.max_waiting} requests "
+                           "waiting); retry later", kind="server_overloaded")
+        timeline = Timeline()
+        try:
+            request_id, queue = await asyncio.to_thread(
+                self.loop.add, parsed.prompt, parsed.params, asyncio.get_running_loop())
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        return parsed, request_id, queue, num_prompt, timeline
+
+    async def outputs(self, request_id: str, queue: asyncio.Queue, timeline: Timeline):
+        """The request's outputs until it finishes; aborts it if the consumer stops early
+        (a client that went away)."""
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise APIError(500, f"the engine failed: {out}", kind="server_error")
+                timeline.tokens_out(self.metrics, len(out.new_token_ids))
+                finished = out.finished
+                yield out
+        finally:
+            if finished:
+                timeline.done(self.metrics)
+            else:
+                await asyncio.to_thread(self.loop.abort, request_id)
+
+    def usage(self, out: RequestOutput, num_prompt: int) -> dict[str, Any]:
+        completion = len(out.outputs[0].token_ids)
+        return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+                "total_tokens": num_prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+    async def complete(self, request, chat: bool):
+        from sse_starlette.sse import EventSourceResponse
+        from starlette.responses import JSONResponse
+
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_response(APIError(400, "the request body is not valid JSON"))
+        try:
+            parsed, request_id, queue, num_prompt, timeline = await self.submit(body, chat)
+        except APIError as e:
+            return error_response(e)
+        shape = ChatShape(request_id, self.model_name) if chat else \
+            CompletionShape(request_id, self.model_name)
+        if parsed.stream:
+            return EventSourceResponse(self.events(parsed, request_id, queue, num_prompt,
+                                                   timeline, shape), ping=15)
+        last, text = None, []
+        stream = self.outputs(request_id, queue, timeline)
+        try:
+            async for out in stream:
+                last = out
+                text.append(out.text_delta)
+                if await request.is_disconnected():
+                    break
+        except APIError as e:
+            return error_response(e)
+        finally:
+            await stream.aclose()
+        if last is None or not last.finished:
+            return error_response(APIError(499, "the client closed the request"))
+        return JSONResponse(shape.whole("".join(text), last.finish_reason,
+                                        self.usage(last, num_prompt)))
+
+    async def events(self, parsed: ParsedRequest, request_id: str, queue: asyncio.Queue,
+                     num_prompt: int, timeline: Timeline, shape):
+        yield json.dumps(shape.first())
+        try:
+            async for out in self.outputs(request_id, queue, timeline):
+                if out.text_delta or out.finished:
+                    yield json.dumps(shape.chunk(out.text_delta, out.finish_reason))
+                if out.finished and parsed.include_usage:
+                    yield json.dumps(shape.usage_chunk(self.usage(out, num_prompt)))
+        except APIError as e:
+            yield json.dumps(e.body())
+        yield "[DONE]"
+# ANCHOR_END: handlers
+
+
+class CompletionShape:
+    """``/v1/completions`` bodies and chunks."""
+
+    object = "text_completion"
+
+    def __init__(self, request_id: str, model: str):
+        self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
+
+    def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def first(self) -> dict[str, Any]:
+        return self.chunk("", None)
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return self.envelope([{"index": 0, "text": text, "logprobs": None,
+                               "finish_reason": finish_reason}])
+
+    def usage_chunk(self, usage: dict) -> dict[str, Any]:
+        return self.envelope([], usage=usage)
+
+    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict[str, Any]:
+        return self.envelope([{"index": 0, "text": text, "logprobs": None,
+                               "finish_reason": finish_reason}], usage=usage)
+
+
+class ChatShape(CompletionShape):
+    """``/v1/chat/completions`` bodies and chunks."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str):
+        super().__init__(request_id, model)
+        self.id = f"chatcmpl-{request_id}"
+
+    def first(self) -> dict[str, Any]:
+        return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return self.envelope([{"index": 0, "delta": delta, "logprobs": None,
+                               "finish_reason": finish_reason}])
+
+    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict[str, Any]:
+        body = self.envelope([{"index": 0, "message": {"role": "assistant", "content": text},
+                               "logprobs": None, "finish_reason": finish_reason}],
+                             usage=usage)
+        return {**body, "object": "chat.completion"}
+
+
+def error_response(error: APIError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+# ANCHOR: app
+def build_app(server: Server):
+    """The Starlette application; the engine loop runs while the app does."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+
+    async def chat(request):
+        return await server.complete(request, chat=True)
+
+    async def completions(request):
+        return await server.complete(request, chat=False)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_name, "object": "model", "created": server.created,
+             "owned_by": "tiny-llm", "max_model_len": server.engine.max_model_len}]})
+
+    async def health(request):
+        if not server.loop.alive:
+            return PlainTextResponse("engine loop stopped", status_code=503)
+        return PlainTextResponse("ok")
+
+    async def metrics(request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        # engine.stats() waits for the engine's lock (up to one step): not on the event loop
+        text = await asyncio.to_thread(generate_latest, server.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", metrics),
+    ], lifespan=lifespan)
+
+
+def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_waiting: int | None = None) -> None:
+    import uvicorn
+
+    app = build_app(Server(engine, model_name, max_waiting))
+    uvicorn.run(app, host=host, port=port, log_level="info")
+# ANCHOR_END: app
