@@ -116,7 +116,7 @@ class EngineConfig:
     attention: str | None = None  # a name in ATTENTION_BACKENDS; default: the storage's best
     speculative: str = "off"  # "draft" (a smaller model) or "ngram" (prompt lookup)
     num_speculative_tokens: int = 4  # tokens drafted per request and step
-    speculative_max_batch: int = 4  # drafting stops when more requests run (measured)
+    speculative_max_batch: int = 16  # no drafts above this many running requests (measured)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
 # ANCHOR_END: engine_config
 
