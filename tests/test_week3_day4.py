@@ -574,7 +574,7 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
 
 
 def test_engine_rejects_kernel_geometry_it_cannot_run(smollm_tokenizer):
-    from conftest import make_tiny_model
+    from tiny_llm.testing.models import make_tiny_model
 
     model = make_tiny_model()
     model.apply(lambda p: p.astype(mx.int32))

@@ -289,6 +289,7 @@ class SimRequest:
         self.output_len = output_len
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # set by Day 3's prefix-cache admission
         self.status = RequestStatus.WAITING
         self.finish_step: int | None = None
 
