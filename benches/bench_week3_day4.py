@@ -90,6 +90,7 @@ from common import (
     openblas_threads,
     save_results,
     spread,
+    with_threads,
 )
 
 # SmolLM2-135M's attention geometry.
@@ -153,23 +154,6 @@ def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, rounds: int, cal
             k += 1
     return {n: {**spread([statistics.median(r) for r in t]), "times": t,
                 "calls": sum(map(len, t))} for n, t in times.items()}
-
-
-def with_threads(fn: Callable[[], Any], threads: int) -> Callable[[], mx.array]:
-    """``fn`` evaluated with the extension's worker pool limited to ``threads`` (the op
-    reads the setting when it runs, so evaluate before restoring the default)."""
-
-    def run():
-        ext = extension()
-        ext.set_num_threads(threads)
-        try:
-            out = fn()
-            mx.eval(out)
-        finally:
-            ext.set_num_threads(0)
-        return out
-
-    return run
 
 
 # --------------------------------------------------------------------------------------

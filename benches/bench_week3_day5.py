@@ -138,6 +138,7 @@ from common import (
     percentile,
     save_results,
     spread,
+    with_threads,
 )
 from mlx.utils import tree_flatten
 
@@ -268,23 +269,6 @@ def vector_name(threads: int) -> str:
 
 def tiled_name(threads: int) -> str:
     return f"Day 5 tiled kernel, {threads}T"
-
-
-def with_threads(fn: Callable[[], mx.array], threads: int) -> Callable[[], mx.array]:
-    """``fn`` evaluated with the extension's worker pool limited to ``threads`` (read by
-    the op when it runs: evaluate before restoring the default)."""
-
-    def run():
-        ext = extension()
-        ext.set_num_threads(threads)
-        try:
-            out = fn()
-            mx.eval(out)
-        finally:
-            ext.set_num_threads(0)
-        return out
-
-    return run
 
 
 def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, Any]], Table]:

@@ -103,6 +103,26 @@ def bench_parser(doc: str | None, rounds: int = 3) -> argparse.ArgumentParser:
     return ap
 
 
+def with_threads(fn: Callable[[], Any], threads: int) -> Callable[[], Any]:
+    """``fn`` evaluated with the kernel extension's worker pool limited to ``threads`` (the
+    op reads the setting when it runs, so evaluate before restoring the default)."""
+    from tiny_llm.extension import extension
+
+    import mlx.core as mx
+
+    def run():
+        ext = extension()
+        ext.set_num_threads(threads)
+        try:
+            out = fn()
+            mx.eval(out)
+        finally:
+            ext.set_num_threads(0)
+        return out
+
+    return run
+
+
 def spread(values: list[float]) -> dict[str, Any]:
     """Median, min, max and count of per-round values (what a table cell summarises)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
