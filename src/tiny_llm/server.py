@@ -225,7 +225,7 @@ class ParsedRequest:
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
 
 
-def parse_request(body: Any, chat: bool, model_name: str, engine: LLMEngine) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     if body.get("model") not in (None, model_name):
@@ -312,7 +312,7 @@ class Server:
 
     async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, asyncio.Queue,
                                                             int, Timeline]:
-        parsed = parse_request(body, chat, self.model_name, self.engine)
+        parsed = parse_request(body, chat, self.model_name)
         num_prompt = check_context_length(self.engine, parsed.prompt, parsed.params)
         # len() of the scheduler's queue without the engine's lock: never wait for a step here
         if self.max_waiting is not None and len(self.engine.scheduler.waiting) >= \
