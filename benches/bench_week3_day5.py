@@ -11,7 +11,7 @@ interleaved, and ratios are taken within the run.
 
    - ``Day 4 vector kernel``: ``paged_attention`` (the extension op with ``tiled=False``:
      the vector schedule for every row, each row walking its own pages);
-   - ``Day 5 tiled kernel``: ``paged_flash_attention`` (the same op with ``tiled=True``:
+   - ``Day 5 tiled kernel``: ``paged_attention`` with ``tiled=True`` (the same op:
      tiles of 16 consecutive query rows share every page they read);
    - both kernels with the extension's worker pool limited to **1 thread** and on **every
      core** (``extension().set_num_threads(n)``);
@@ -118,7 +118,6 @@ from tiny_llm.day3_paged_kv import blocks_needed, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
 from tiny_llm.day5_paged_flash import (
     TiledWalkAttention,
-    paged_flash_attention,
     paged_flash_reference,
 )
 from tiny_llm.engine import LLMEngine
@@ -307,7 +306,7 @@ def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, A
             return paged_attention(*args, validate=False)
 
         def tiled(args=args):
-            return paged_flash_attention(*args, validate=False)
+            return paged_attention(*args, validate=False, tiled=True)
 
         def fast(q=q_dense, k=k_dense, v=v_dense, mask=mask):
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -364,7 +363,7 @@ def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, A
         ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f", ".2f", ".2f", ".2f", ".2f",
          ".1e"],
         "Day 4 vector kernel: paged_attention (tiled=False, every row walks its pages); Day 5 "
-        "tiled kernel: paged_flash_attention (tiled=True, 16-row query tiles share each "
+        "tiled kernel: paged_attention (tiled=True, 16-row query tiles share each "
         "page); 1T / "
         f"{n}T: the extension's worker pool limited to 1 thread / {n} threads "
         "(set_num_threads). mx.fast: mx.fast.scaled_dot_product_attention on contiguous "

@@ -27,7 +27,6 @@ from tiny_llm.day3_paged_kv import PagePool
 from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
 from tiny_llm.day5_paged_flash import (
     flash_schedule,
-    paged_flash_attention,
     paged_flash_reference,
     tile_rows,
 )
@@ -64,7 +63,12 @@ def table_array(tables: list[list[int]], width: int | None = None) -> mx.array:
     return block_table(tables, max(len(t) for t in tables) + 1 if width is None else width)
 
 
-def run_op(case: PagedCase, op=paged_flash_attention, k_pages=None, v_pages=None) -> mx.array:
+def tiled_op(*args, **kwargs) -> mx.array:
+    """The extension op with Day 5's tiles (``paged_attention(..., tiled=True)``)."""
+    return paged_attention(*args, **kwargs, tiled=True)
+
+
+def run_op(case: PagedCase, op=tiled_op, k_pages=None, v_pages=None) -> mx.array:
     k_pages = case.k_pages if k_pages is None else k_pages
     v_pages = case.v_pages if v_pages is None else v_pages
     out = op(case.q, k_pages, v_pages, table_array(case.tables),
@@ -87,9 +91,8 @@ def run_rows(case: PagedCase, seq: int, first: int, count: int, row_offset: int 
         q = mx.concatenate([case.q[:row_offset], q])
         tables = [case.tables[seq][: -(-row_offset // case.page_size)], table]
         ctxs, qsl = [row_offset, ctx], [0, row_offset, row_offset + count]
-    out = paged_flash_attention(q, case.k_pages, case.v_pages, table_array(tables),
-                                mx.array(ctxs, dtype=mx.int32), mx.array(qsl, dtype=mx.int32),
-                                case.scale)
+    out = tiled_op(q, case.k_pages, case.v_pages, table_array(tables),
+                   mx.array(ctxs, dtype=mx.int32), mx.array(qsl, dtype=mx.int32), case.scale)
     mx.eval(out)
     return out[row_offset:]
 

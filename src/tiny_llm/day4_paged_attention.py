@@ -113,13 +113,15 @@ def paged_attention(
     query_start_loc: mx.array,
     scale: float,
     validate: bool = True,
+    tiled: bool = False,
 ) -> mx.array:
-    """The extension's vector schedule for every query row. ``validate=False`` skips the
-    checks (the engine builds its metadata itself; tests check it)."""
+    """The extension op: the vector schedule for every query row (Day 5's ``tiled=True``
+    gives multi-token queries tiles). ``validate=False`` skips the checks (the engine
+    builds its metadata itself; tests check it)."""
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
     return extension().paged_attention(
-        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=False
+        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled
     )
 
 

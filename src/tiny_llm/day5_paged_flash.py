@@ -17,8 +17,8 @@ simdgroup matrices. Both schedules read the same pages through the same block ta
 one dispatch.
 
 Implementations: ``paged_flash_reference`` (tiles in MLX ops: correctness first, the
-oracle the C++ and Metal tiles are tested against) and ``paged_flash_attention`` (the
-extension op with ``tiled=True``). Engine backends: ``TiledWalkAttention``
+oracle the C++ and Metal tiles are tested against) and Day 4's ``paged_attention`` with
+``tiled=True`` (the extension op). Engine backends: ``TiledWalkAttention``
 (``attention="flash_reference"``) and ``FlashAttention`` (``attention="flash"``).
 """
 
@@ -30,7 +30,7 @@ from typing import ClassVar
 from tiny_llm.day4_paged_attention import (
     PageWalkAttention,
     VectorKernelAttention,
-    check_metadata,
+    paged_attention,
 )
 from tiny_llm.extension import extension
 from tiny_llm.step import StepBatch
@@ -166,24 +166,6 @@ def paged_flash_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,
 # ANCHOR_END: tiled_reference
 
 
-def paged_flash_attention(
-    q: mx.array,
-    k_pages: mx.array,
-    v_pages: mx.array,
-    block_table: mx.array,
-    context_lens: mx.array,
-    query_start_loc: mx.array,
-    scale: float,
-    validate: bool = True,
-) -> mx.array:
-    """The extension op: decode rows take the vector schedule, multi-token queries tiles."""
-    if validate:
-        check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
-    return extension().paged_attention(
-        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=True
-    )
-
-
 # ANCHOR: flash_backends
 class TiledWalkAttention(PageWalkAttention):
     """``attention="flash_reference"``: the tiled walk in MLX ops."""
@@ -209,7 +191,7 @@ class FlashAttention(VectorKernelAttention):
 
     def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
                      scale: float) -> mx.array:
-        return paged_flash_attention(q, k_pages, v_pages, self.step.kv["block_table"],
-                                     self.context_lens, self.query_start_loc, scale,
-                                     validate=False)
+        return paged_attention(q, k_pages, v_pages, self.step.kv["block_table"],
+                               self.context_lens, self.query_start_loc, scale,
+                               validate=False, tiled=True)
 # ANCHOR_END: flash_backends
