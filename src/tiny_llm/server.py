@@ -282,8 +282,8 @@ def completion_prompt(body: dict) -> Any:
                    param="prompt")
 
 
-def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams) -> int:
-    """The prompt's token count; raise when prompt + max_tokens exceed ``max_model_len``."""
+def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams) -> list[int]:
+    """The prompt's token ids; raise when prompt + max_tokens exceed ``max_model_len``."""
     try:
         ids = engine.tokenize(prompt)
     except (ValueError, TypeError) as e:
@@ -296,7 +296,7 @@ def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams)
                        f"{params.max_tokens or 0} for the completion).",
                        param="messages" if isinstance(prompt, list) else "prompt",
                        code="context_length_exceeded")
-    return len(ids)
+    return ids
 # ANCHOR_END: parse
 
 
@@ -313,7 +313,8 @@ class Server:
     async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, asyncio.Queue,
                                                             int, Timeline]:
         parsed = parse_request(body, chat, self.model_name)
-        num_prompt = check_context_length(self.engine, parsed.prompt, parsed.params)
+        ids = check_context_length(self.engine, parsed.prompt, parsed.params)
+        num_prompt = len(ids)
         # len() of the scheduler's queue without the engine's lock: never wait for a step here
         if self.max_waiting is not None and len(self.engine.scheduler.waiting) >= \
                 self.max_waiting:
@@ -321,8 +322,10 @@ class Server:
                            "waiting); retry later", kind="server_overloaded")
         timeline = Timeline()
         try:
+            # the ids, not the prompt: the engine need not template and tokenize it again
             request_id, queue = await asyncio.to_thread(
-                self.loop.add, parsed.prompt, parsed.params, asyncio.get_running_loop())
+                self.loop.add, {"prompt_token_ids": ids}, parsed.params,
+                asyncio.get_running_loop())
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         return parsed, request_id, queue, num_prompt, timeline
