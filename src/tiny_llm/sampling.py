@@ -179,6 +179,7 @@ def _window_suffices(ids: np.ndarray, x: np.ndarray, f: _Filters, log_norm: floa
     return mass >= f.top_p - _SLACK + _MASS_GUARD
 
 
+# ANCHOR: filters
 def _candidates(x: np.ndarray, top: float, f: _Filters, log_norm: float | None) -> np.ndarray:
     """A rank prefix of the row (ids ascending) holding every token the filters can keep.
 
@@ -248,6 +249,7 @@ def _sample_row(row: np.ndarray, sampler: RequestSampler) -> int:
     cum = np.cumsum(_weights(x, ids), dtype=np.float64)
     i = int(np.searchsorted(cum, sampler.rng.random() * cum[-1], side="right"))
     return int(ids[min(i, len(ids) - 1)])
+# ANCHOR_END: filters
 
 
 def _rows(logits: mx.array, rows: list[int]) -> mx.array:

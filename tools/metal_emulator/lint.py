@@ -79,7 +79,7 @@ _SIMPLE_RULES: list[tuple[re.Pattern[str], str]] = [
     ),
     (
         re.compile(r"\bINFINITY\b|\bHUGE_VALF?\b|\binfinity\s*\(\s*\)"),
-        "rule 9: use finite sentinels (-FLT_MAX): Metal is fast-math, infinities are unreliable",
+        "rule 9: use finite sentinels (-FLT_MAX): infinities are unreliable under fast math",
     ),
     (re.compile(r"\bdouble\b"), "rule 10: MSL has no double"),
     (
