@@ -48,7 +48,7 @@ inline void fold_page(const float* qrow, const float* k, const float* v, int64_t
 }
 // ANCHOR_END: cpu_page_update
 
-// ANCHOR: cpu_schedules
+// ANCHOR: cpu_attend_rows
 // `rows` consecutive query rows of one sequence (absolute positions first_pos, ...),
 // for the G query heads sharing KV head `kv_head`, over the sequence's pages.
 //
@@ -114,12 +114,14 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
         out[r * row_elems + gi * D + d] = static_cast<T>(acc[x * D + d] / l[x]);
     }
 }
+// ANCHOR_END: cpu_attend_rows
 
 // A work item's rows: `rows` consecutive query rows of sequence `seq`, from flat row `row`.
 struct Tile {
   int seq, row, rows;
 };
 
+// ANCHOR: cpu_row_items
 // Day 4: every query row is its own work item (the vector schedule), even the rows of a
 // multi-token query: each walks the pages of its own causal range.
 std::vector<Tile> row_items(const int32_t* qsl, int num_seqs) {
@@ -128,7 +130,9 @@ std::vector<Tile> row_items(const int32_t* qsl, int num_seqs) {
     for (int r = qsl[b]; r < qsl[b + 1]; ++r) items.push_back({b, r, 1});
   return items;
 }
+// ANCHOR_END: cpu_row_items
 
+// ANCHOR: cpu_tile_items
 // Day 5: consecutive rows of a sequence share a tile of up to `tile` rows, which reads
 // each page once for all of them; a decode row is a tile of one.
 std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
@@ -140,9 +144,11 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
   // END TASK
   return items;
 }
+// ANCHOR_END: cpu_tile_items
 
 }  // namespace
 
+// ANCHOR: cpu_work_items
 // Work items: one per (tile of query rows, KV head); each walks only its own sequence's
 // block table. Tiles of one row are the vector schedule.
 template <typename T>
@@ -167,7 +173,7 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
                 tables + static_cast<int64_t>(b) * g.max_pages, h, g);
   });
 }
-// ANCHOR_END: cpu_schedules
+// ANCHOR_END: cpu_work_items
 
 template void paged_attention_cpu<float>(const float*, const float*, const float*,
                                          const int32_t*, const int32_t*, const int32_t*, float*,
