@@ -1,0 +1,123 @@
+"""OpenBLAS on one thread or on every core, on a quiet machine and next to a busy neighbour.
+
+``tiny_llm`` sets ``OPENBLAS_NUM_THREADS=1`` unless you set it yourself. ``bench_model``
+compares one thread (its configuration (c)) with every core ((cN)) on a quiet machine; this
+script adds the case the default is chosen for: another process keeping one core busy, as
+on a shared machine, a laptop doing other work, or a CI runner. OpenBLAS's worker threads
+spin while they wait for each other, so a worker that loses its core to the neighbour can
+hold up every matmul.
+
+Four runs per round, each in a fresh process (``bench_model.py --config c|cN``, the same
+worker as ``bench_model``): one thread and every core, each on a quiet machine and with a
+neighbour, a ``python -c "while True: pass"`` process started just before the run and
+killed just after it (one spinning thread: one core's worth of work). Each run measures a
+single greedy stream (a ``--prompt-tokens`` prompt in one forward, then ``--decode-tokens``
+new tokens) and serving ``--serve-requests`` requests at once through ``LLMEngine`` (the
+definitions are ``bench_model``'s). ``--rounds`` rounds (default 3), the order of the four
+runs reversed every other round; medians, and the median of the per-round ratios every
+core / one thread.
+
+    python benches/bench_blas_threads.py          # about 5 minutes on 2 cores
+    python benches/bench_blas_threads.py --quick  # smoke run, writes *_quick.*
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any
+
+from bench_model import THREAD_ROWS, run_config
+from common import Table, bench_parser, save_results
+
+NAME = "bench_blas_threads"
+RUNS = [(config, busy) for busy in (False, True) for config in ("c", "cN")]
+
+
+@contextmanager
+def neighbour(busy: bool):
+    """A process spinning on one core for the duration of the block (if ``busy``)."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def value(run: dict[str, Any], where: str | None, key: str) -> float:
+    return run[key] if where is None else run[where][key]
+
+
+def make_table(rounds: list[dict[tuple[str, bool], Any]], threads: int,
+               settings: dict[str, Any]) -> Table:
+    rows = []
+    for busy in (False, True):
+        for label, where, key in THREAD_ROWS:
+            one = [value(r[("c", busy)], where, key) for r in rounds]
+            every = [value(r[("cN", busy)], where, key) for r in rounds]
+            rows.append(["busy neighbour" if busy else "quiet", label, statistics.median(one),
+                         statistics.median(every),
+                         statistics.median(b / a for a, b in zip(one, every, strict=True))])
+    serve = rounds[0][("c", False)]["serve"]
+    return Table(
+        title="OpenBLAS on 1 thread vs every core, quiet and next to a busy neighbour",
+        headers=["machine", "measure", "1 thread", f"{threads} threads",
+                 f"{threads} threads / 1 thread"],
+        rows=rows,
+        formats=["", "", ".2f", ".2f", ".2f"],
+        note=(
+            "Busy neighbour: one other process spinning on one core. Single stream: batch 1, "
+            f"greedy, a {settings['prompt_tokens']}-token prompt in one forward, then "
+            f"{settings['decode_tokens']} new tokens (bench_model's worker). Serving: "
+            f"{serve['requests']} requests at once through LLMEngine, prompts of "
+            f"{serve['prompt_tokens']} tokens, {serve['decode_tokens']} new tokens each. "
+            f"Medians over {len(rounds)} rounds; the ratio is the median of per-round "
+            "ratios (above 1: every core is better for tok/s, worse for ms and s)."
+        ),
+    )
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="default 256 (quick: 64)")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="default 64 (quick: 8)")
+    ap.add_argument("--serve-requests", type=int, default=None, help="default 8 (quick: 4)")
+    args = ap.parse_args()
+    if args.quick and "--rounds" not in sys.argv:
+        args.rounds = 1
+    args.prompt_tokens = args.prompt_tokens or (64 if args.quick else 256)
+    args.decode_tokens = args.decode_tokens or (8 if args.quick else 64)
+    args.serve_requests = args.serve_requests or (4 if args.quick else 8)
+    t0 = time.perf_counter()
+    rounds: list[dict[tuple[str, bool], Any]] = []
+    for r in range(args.rounds):
+        result = {}
+        for config, busy in RUNS if r % 2 == 0 else RUNS[::-1]:
+            with neighbour(busy):
+                result[(config, busy)] = run_config(config, args)
+            x = result[(config, busy)]
+            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {config:2s} "
+                  f"{'busy ' if busy else 'quiet'} prefill {x['prefill_tok_s']:6.1f} tok/s, "
+                  f"decode {x['decode_tok_s']:5.2f} tok/s, serving {x['serve']['tok_s']:5.1f} "
+                  "tok/s", flush=True)
+        rounds.append(result)
+    threads = rounds[0][("cN", False)]["openblas_threads"]
+    data = {
+        "settings": {"prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                     "serve_requests": args.serve_requests, "cores": os.cpu_count()},
+        "per_round": [{f"{c}{' busy' if b else ''}": {k: v for k, v in x.items() if k != "tokens"}
+                       for (c, b), x in rnd.items()} for rnd in rounds],
+        "wall_s": time.perf_counter() - t0,
+    }
+    table = make_table(rounds, threads, data["settings"])
+    save_results(NAME + ("_quick" if args.quick else ""), data, [table], rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
