@@ -329,7 +329,9 @@ def environment() -> dict[str, Any]:
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "openblas_threads": openblas_threads(),  # what OpenBLAS reports now
         "git_commit": git("rev-parse", "--short", "HEAD"),
-        "git_dirty": git("status", "--porcelain", "--untracked-files=no") != "",
+        # Results written by earlier runs are not code: they do not make a tree modified.
+        "git_dirty": git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                         ":!benchmark_results") != "",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
 
