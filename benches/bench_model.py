@@ -73,8 +73,8 @@ import numpy as np
 from common import (
     Table,
     bench_parser,
+    copy_bandwidth,
     greedy,
-    measure,
     mlx_lm_model,
     openblas_threads,
     percentile,
@@ -242,14 +242,6 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
         sys.stderr.write(proc.stderr)
         raise RuntimeError(f"configuration {config} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
-    """Bytes read + written per second by a large numpy copy (median of repeats)."""
-    src = np.ones(mbytes * 2**20 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    timing = measure(lambda: np.copyto(dst, src), warmup=1, repeats=repeats)
-    return 2 * src.nbytes / timing.median
 
 
 def leading_matches(tokens: list[int], reference: list[int]) -> int:

@@ -128,6 +128,7 @@ from tiny_llm.tokenizer import IncrementalDetokenizer
 import mlx.core as mx
 import numpy as np
 from common import (
+    GemmProbe,
     Table,
     bench_parser,
     greedy,
@@ -622,30 +623,6 @@ class MlxLmRun:
 
     def done(self) -> bool:
         return self._done
-
-
-class GemmProbe:
-    """The model's matmuls alone: every linear layer at ``tokens`` rows and the (tied)
-    vocabulary projection at ``logit_rows`` rows, on fresh random inputs."""
-
-    def __init__(self, model: Model):
-        import mlx.nn as nn
-
-        self.weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-        self.lm_head = model.model.embed_tokens.weight if model.config.tie_word_embeddings \
-            else None
-
-    def time(self, tokens: int, logit_rows: int) -> float:
-        xs = {d: mx.random.normal((tokens, d)) for d in {w.shape[1] for w in self.weights}}
-        hidden = self.weights[0].shape[1] if self.lm_head is None else self.lm_head.shape[1]
-        x_lm = mx.random.normal((logit_rows, hidden))
-        mx.eval(xs, x_lm)
-        start = time.perf_counter()
-        outs = [xs[w.shape[1]] @ w.T for w in self.weights]
-        if self.lm_head is not None:
-            outs.append(x_lm @ self.lm_head.T)
-        mx.eval(outs)
-        return time.perf_counter() - start
 
 
 def gemm_share(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -222,6 +222,43 @@ def mlx_lm_model(model: Model) -> Any:
     return ref
 
 
+# ---------------------------------------------------------------- machine and model bounds
+
+
+def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
+    """Bytes read + written per second by a large numpy copy (median of repeats)."""
+    src = np.ones(mbytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    timing = measure(lambda: np.copyto(dst, src), warmup=1, repeats=repeats)
+    return 2 * src.nbytes / timing.median
+
+
+class GemmProbe:
+    """The model's matmuls alone: every linear layer at ``tokens`` rows and the (tied)
+    vocabulary projection at ``logit_rows`` rows, on fresh random inputs."""
+
+    def __init__(self, model: Model):
+        import mlx.nn as nn
+
+        self.weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self.lm_head = model.model.embed_tokens.weight if model.config.tie_word_embeddings \
+            else None
+
+    def time(self, tokens: int, logit_rows: int) -> float:
+        import mlx.core as mx
+
+        xs = {d: mx.random.normal((tokens, d)) for d in {w.shape[1] for w in self.weights}}
+        hidden = self.weights[0].shape[1] if self.lm_head is None else self.lm_head.shape[1]
+        x_lm = mx.random.normal((logit_rows, hidden))
+        mx.eval(xs, x_lm)
+        start = time.perf_counter()
+        outs = [xs[w.shape[1]] @ w.T for w in self.weights]
+        if self.lm_head is not None:
+            outs.append(x_lm @ self.lm_head.T)
+        mx.eval(outs)
+        return time.perf_counter() - start
+
+
 # ---------------------------------------------------------------- requests
 
 
@@ -345,11 +382,15 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    """The ``.md`` of a saved result, built only from its JSON (``save_results`` output)."""
+    """The ``.md`` of a saved result, built only from its JSON (``save_results`` output).
+
+    Each table sits between ``ANCHOR: table<i>`` comments (from 1), so that a chapter can
+    include one table (``{{#include ../../benchmark_results/<name>.md:table2}}``)."""
     parts = []
-    for t in result["tables"]:
+    for i, t in enumerate(result["tables"], 1):
         formats = t["formats"] or [""] * len(t["headers"])
-        lines = [f"**{t['title']}**", ""] if t["title"] else []
+        lines = [f"<!-- ANCHOR: table{i} -->"]
+        lines += [f"**{t['title']}**", ""] if t["title"] else []
         lines.append("| " + " | ".join(t["headers"]) + " |")
         lines.append("|" + "|".join("---" for _ in t["headers"]) + "|")
         for row in t["rows"]:
@@ -357,6 +398,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         if t["note"]:
             lines += ["", t["note"]]
+        lines.append(f"<!-- ANCHOR_END: table{i} -->")
         parts.append("\n".join(lines))
     env = result["environment"]
     parts.append(
