@@ -269,12 +269,6 @@ def test_mdbook_build_succeeds_without_errors(tmp_path):
     assert not problems, "the built book is broken:\n" + "\n".join(sorted(problems))
 
 
-# Results measured before the scripts recorded their rounds (or on a modified tree): each is
-# to be measured again with the current script (the book's appendix says which). The list
-# may only shrink.
-MEASURED_BEFORE_ROUNDS = {"bench_week3_day5"}
-
-
 def test_included_results_come_from_a_clean_commit_and_three_rounds():
     import json
 
@@ -284,9 +278,6 @@ def test_included_results_come_from_a_clean_commit_and_three_rounds():
             continue
         result = json.loads(path.with_suffix(".json").read_text())
         env, name = result["environment"], result["name"]
-        if name in MEASURED_BEFORE_ROUNDS:
-            assert "rounds" not in result, f"{name} was measured again: drop it from the list"
-            continue
         if env.get("git_dirty"):
             problems.append(f"{name}: measured on a modified tree ({env.get('git_commit')})")
         if result.get("rounds", 1) < 3 and not result.get("long"):

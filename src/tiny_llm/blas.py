@@ -4,12 +4,14 @@ The ``mlx[cpu]`` wheel links a reference BLAS. ``make setup`` builds a tiny shim
 (``src/extensions/blas_shim``) that defines ``cblas_sgemm`` on top of the OpenBLAS in
 ``scipy-openblas32``. Loading it with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported
 puts its symbol ahead of the wheel's BLAS, so every float32 matmul MLX runs on the CPU
-goes through OpenBLAS (about 50x faster on the development machine).
+goes through OpenBLAS (a 512-token prefill about 21x faster on the development machine:
+``benches/bench_model.py``).
 
-OpenBLAS runs on one thread unless ``OPENBLAS_NUM_THREADS`` says otherwise: its worker
-threads spin while they wait, and next to MLX's own stream thread and the kernels' workers
-that collapsed throughput on the 2-core development machine (SmolLM2, 512-token prefill
-188 vs 61 tok/s, batch-1 decode 11.3 vs 0.9 tok/s, one vs two threads, side by side).
+OpenBLAS runs on one thread unless ``OPENBLAS_NUM_THREADS`` says otherwise. Its worker
+threads spin while they wait for each other: on a quiet 2-core machine two threads are
+1.2-1.3x faster, but with another process busy on one core they fall to 0.53-0.59x of one
+thread, which loses only 5-8% (``benches/bench_blas_threads.py``). One thread is the
+default that never collapses.
 
 Invariant: ``load_openblas()`` runs before the first ``import mlx.core`` in the process;
 ``tiny_llm/__init__.py`` calls it first thing.
