@@ -1,0 +1,205 @@
+"""Decode speed against batch size on the CPU, next to the machine's memory-bandwidth and
+compute bounds: where the engine stands, and what the CPU-speed work has to gain.
+
+For each batch size ``B`` (1, 2, 4, ..., 64; ``--quick``: 1, 2, 4 on the tiny model) one
+engine (the defaults: paged KV, tiled kernel, chunked prefill; prefix caching off) serves
+``B`` requests of 16 random prompt tokens at once, ``max_num_seqs=B``. Once every request
+is decoding, ``--steps`` (16) decode steps are timed one by one (``engine.step()``, wall
+clock); the median is the step time. Right after, the model's matmuls alone at ``B`` rows
+(every linear layer and the tied vocabulary projection, ``GemmProbe``, the median of 5).
+
+Bounds, measured in the same run:
+
+- **memory**: a decode step reads every weight once (``bench_model``'s bytes per token,
+  538 MB in float32 for SmolLM2-135M) whatever ``B`` is; divided by the copy bandwidth (a
+  256 MB numpy copy, bytes read + written) that is the shortest a step can be. K/V reads
+  are left out (16-48 tokens of context here: under 0.1% of the weights at batch 64).
+- **compute**: ``2 x (weights of the matmuls) x B`` flops per step at the float32 GEMM
+  rate of one large OpenBLAS product (1024 x 1024 x 1024, OpenBLAS's thread setting as
+  served).
+
+Reported per ``B``: ms/step, output tok/s (``B`` / step time), the GEMMs-alone time and
+its share of the step, the weight bytes streamed per second during the step (bytes per
+step / step time) and that as a fraction of the copy bandwidth, and the step time over
+each bound. ``--rounds`` rounds (default 3), batch sizes in alternating order; medians.
+
+    python benches/bench_cpu_decode.py          # about 5 minutes on 2 cores
+    python benches/bench_cpu_decode.py --quick  # tiny random model, writes *_quick.*
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+from tiny_llm.engine import LLMEngine
+
+import mlx.core as mx
+import numpy as np
+from bench_model import decode_bytes_per_token
+from common import (
+    GemmProbe,
+    Table,
+    bench_parser,
+    copy_bandwidth,
+    greedy,
+    load_model,
+    openblas_threads,
+    save_results,
+)
+from mlx.utils import tree_flatten
+
+NAME = "bench_cpu_decode"
+PROMPT_TOKENS = 16
+
+
+def gemm_rate(n: int = 1024, repeats: int = 5) -> float:
+    """float32 flops per second of one n x n x n product (median of repeats)."""
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(a @ b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def decode_steps(model: Any, tokenizer: Any, batch: int, steps: int, seed: int) -> list[float]:
+    """Seconds of ``steps`` decode steps with ``batch`` requests decoding."""
+    rng = random.Random(seed)
+    engine = LLMEngine(model, tokenizer, max_num_seqs=batch, enable_prefix_caching=False,
+                       max_num_batched_tokens=max(512, batch), max_model_len=256)
+    for _ in range(batch):
+        prompt = [rng.randrange(100, 10000) for _ in range(PROMPT_TOKENS)]
+        engine.add_request({"prompt_token_ids": prompt}, greedy(steps + 8))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_tokens == len(r.prompt_token_ids) for r in sched.running):
+        engine.step()  # until every request has its first token: from now on, decodes only
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"batch {batch}: {len(engine.scheduler.running)} requests running")
+    return times
+
+
+def matmul_params(model: Any) -> int:
+    """Weights that take part in a matmul per token (the linear layers and the LM head)."""
+    import mlx.nn as nn
+
+    linear = sum(m.weight.size for _, m in model.named_modules() if isinstance(m, nn.Linear))
+    head = model.model.embed_tokens.weight.size if model.config.tie_word_embeddings else 0
+    return linear + head
+
+
+def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
+    return Table(
+        title=f"Decode against batch size, {data['model']}: step time, tok/s and the bounds",
+        headers=["batch", "ms/step", "output tok/s", "GEMMs alone ms", "GEMM share",
+                 "weights GB/s", "of copy bandwidth", "step / memory bound",
+                 "step / compute bound"],
+        rows=[[r["batch"], r["step_ms"], r["tok_s"], r["gemm_ms"], r["gemm_share"],
+               r["weights_GBps"], r["of_bandwidth"], r["vs_memory_bound"],
+               r["vs_compute_bound"]] for r in rows],
+        formats=["", ".1f", ".1f", ".1f", ".2f", ".1f", ".2f", ".1f", ".1f"],
+        note=(
+            f"Engine defaults (paged KV, tiled kernel, prefix caching off), max_num_seqs = "
+            f"batch, {PROMPT_TOKENS}-token prompts; ms/step: median of {data['steps']} decode "
+            f"steps, then of {data['rounds']} rounds. Weights read per step: "
+            f"{data['bytes_per_step'] / 1e6:.0f} MB; copy bandwidth "
+            f"{data['copy_bandwidth_GBps']:.1f} GB/s, so the memory bound is "
+            f"{data['memory_bound_ms']:.1f} ms/step at any batch. Compute bound: "
+            f"{data['matmul_params'] / 1e6:.0f}M matmul weights x 2 flops x batch at "
+            f"{data['gemm_GFLOPs']:.1f} GFLOP/s (one 1024^3 float32 product, OpenBLAS on "
+            f"{data['openblas_threads']} thread(s)). GEMMs alone: the step's matmuls at "
+            "batch rows on random inputs."
+        ),
+    )
+
+
+def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = np.array([r["batch"] for r in rows])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.plot(b, [r["tok_s"] for r in rows], "o-", label="engine")
+    ax1.plot(b, b / (data["memory_bound_ms"] / 1e3), "k--", label="memory bound")
+    compute_s = 2 * data["matmul_params"] / (data["gemm_GFLOPs"] * 1e9)
+    ax1.plot(b, np.full(len(b), 1 / compute_s), "k:", label="compute bound")
+    ax1.set_title("decode output tok/s")
+    ax2.plot(b, [r["step_ms"] for r in rows], "o-", label="step")
+    ax2.plot(b, [r["gemm_ms"] for r in rows], "s-", label="GEMMs alone")
+    ax2.axhline(data["memory_bound_ms"], color="k", linestyle="--", label="memory bound")
+    ax2.set_title("ms per decode step")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (requests decoding)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{data['model']}, CPU, float32")
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
+    args = ap.parse_args()
+    if args.quick and "--rounds" not in sys.argv:
+        args.rounds = 1
+    batches = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    model, tokenizer, model_name = load_model(args.quick)
+    params = dict(tree_flatten(model.parameters()))
+    c = model.config
+    bytes_per_step = decode_bytes_per_token(params, c.vocab_size, c.tie_word_embeddings)
+    probe = GemmProbe(model)
+    decode_steps(model, tokenizer, 2, 2, seed=0)  # warmup: first-call costs, thread pools
+    t0 = time.perf_counter()
+    runs: dict[int, dict[str, list[float]]] = {b: {"step": [], "gemm": []} for b in batches}
+    bandwidths, rates = [], []
+    for r in range(args.rounds):
+        for batch in batches if r % 2 == 0 else batches[::-1]:
+            runs[batch]["step"].append(statistics.median(
+                decode_steps(model, tokenizer, batch, args.steps, seed=r)))
+            runs[batch]["gemm"].append(statistics.median(
+                probe.time(batch, batch) for _ in range(5)))
+            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: batch {batch:3d} "
+                  f"{1e3 * runs[batch]['step'][-1]:7.1f} ms/step", flush=True)
+        bandwidths.append(copy_bandwidth())
+        rates.append(gemm_rate())
+    bandwidth, rate = statistics.median(bandwidths), statistics.median(rates)
+    memory_bound = bytes_per_step / bandwidth
+    flops_per_row = 2 * matmul_params(model)
+    rows = []
+    for batch in batches:
+        step = statistics.median(runs[batch]["step"])
+        gemm = statistics.median(runs[batch]["gemm"])
+        rows.append(dict(
+            batch=batch, step_ms=1e3 * step, tok_s=batch / step, gemm_ms=1e3 * gemm,
+            gemm_share=gemm / step, weights_GBps=bytes_per_step / step / 1e9,
+            of_bandwidth=bytes_per_step / step / bandwidth, vs_memory_bound=step / memory_bound,
+            vs_compute_bound=step / (flops_per_row * batch / rate),
+            step_ms_all=[1e3 * x for x in runs[batch]["step"]],
+        ))
+    data = {
+        "model": model_name, "steps": args.steps, "rounds": args.rounds,
+        "bytes_per_step": bytes_per_step, "copy_bandwidth_GBps": bandwidth / 1e9,
+        "memory_bound_ms": 1e3 * memory_bound, "matmul_params": matmul_params(model),
+        "gemm_GFLOPs": rate / 1e9, "openblas_threads": openblas_threads(), "rows": rows,
+        "wall_s": time.perf_counter() - t0,
+    }
+    save_results(NAME + ("_quick" if args.quick else ""), data, [make_table(rows, data)],
+                 make_figure(rows, data), rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
