@@ -13,7 +13,9 @@ Bounds, measured in the same run:
 - **memory**: a decode step reads every weight once (``bench_model``'s bytes per token,
   538 MB in float32 for SmolLM2-135M) whatever ``B`` is; divided by the copy bandwidth (a
   256 MB numpy copy, bytes read + written) that is the shortest a step can be. K/V reads
-  are left out (16-48 tokens of context here: under 0.1% of the weights at batch 64).
+  are left out, so the bound is optimistic at large batches: 45 KiB per token of context
+  in float32 and 17-33 tokens per request while timed, on average about 14% of the
+  weights' bytes at batch 64 and 2% at batch 8.
 - **compute**: ``2 x (weights of the matmuls) x B`` flops per step at the float32 GEMM
   rate of one large OpenBLAS product (1024 x 1024 x 1024, OpenBLAS's thread setting as
   served).
@@ -23,7 +25,7 @@ its share of the step, the weight bytes streamed per second during the step (byt
 step / step time) and that as a fraction of the copy bandwidth, and the step time over
 each bound. ``--rounds`` rounds (default 3), batch sizes in alternating order; medians.
 
-    python benches/bench_cpu_decode.py          # about 5 minutes on 2 cores
+    python benches/bench_cpu_decode.py          # about 3 minutes on 2 cores
     python benches/bench_cpu_decode.py --quick  # tiny random model, writes *_quick.*
 """
 
