@@ -273,7 +273,8 @@ class DenseAttention:
         # END TASK
 
     def state(self) -> list[mx.array]:
-        return [a for c in self.kv.caches for a in c.keys + c.values if a is not None]
+        caches = self.step.kv["caches"]  # the step's sequences: only their buffers changed
+        return [a for c in caches for a in c.keys + c.values if a is not None]
 # ANCHOR_END: dense_attention
 
 
