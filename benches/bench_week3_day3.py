@@ -600,6 +600,7 @@ def gather_cost(sz: dict[str, Any], rounds: int, num_layers: int = 30
                 positions=mx.full((batch,), ctx - 1, mx.int32),
                 query_start_loc=list(range(batch + 1)), context_lens=[ctx] * batch,
                 logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], num_logits=[],
+                decode_rows=batch,
                 kv={"tables": tables, "slot_mapping": mx.array(slot_mapping, dtype=mx.int32)})
             gather = GatherAttention(space)
             gather.begin_step(step)  # once per step, shared by the layers: not timed

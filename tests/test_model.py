@@ -11,6 +11,7 @@ near-constant outputs.
 from __future__ import annotations
 
 from tiny_llm.kv_cache import DenseKVCache
+from tiny_llm.linear import decode_rows
 from tiny_llm.loader import build_model
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.testing.models import mlx_lm_model, random_weights
@@ -99,8 +100,11 @@ def assert_nontrivial(logits: mx.array) -> None:
     assert len(set(mx.argmax(logits, axis=-1).tolist())) > 3
 
 
-def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL) -> None:
-    """One prompt forward, then DECODE_STEPS greedy steps, ours vs mlx-lm, each with its cache."""
+def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
+                              decode_kernel: bool = False) -> None:
+    """One prompt forward, then DECODE_STEPS greedy steps, ours vs mlx-lm, each with its cache;
+    with ``decode_kernel`` the decode steps' matmuls take the extension's kernel as the
+    engine's decode rows do (``tiny_llm/linear.py``)."""
     tokens = prompt(vocab=ours.config.vocab_size)
     ref_cache = lm_cache.make_prompt_cache(ref)
     our_cache = DenseKVCache(ours.config.num_hidden_layers)
@@ -113,7 +117,8 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL) -
     token = mx.argmax(expected[-1:], axis=-1).astype(mx.int32)
     for step in range(DECODE_STEPS):
         expected = ref(token[None], cache=ref_cache)[0]
-        got = ours(token, mx.array([PROMPT_LEN + step]), our_cache)
+        with decode_rows(1 if decode_kernel else 0):
+            got = ours(token, mx.array([PROMPT_LEN + step]), our_cache)
         assert got.shape == (1, ours.config.vocab_size)
         assert max_diff(got, expected) <= atol, f"decode step {step} differs from mlx-lm"
         token = mx.argmax(expected, axis=-1).astype(mx.int32)
@@ -125,10 +130,11 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL) -
 # float32 equivalence with mlx-lm
 
 
+@pytest.mark.parametrize("decode_kernel", [False, True], ids=["mlx-matmul", "decode-kernel"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_matches_mlx_lm_prompt_and_decode(name):
+def test_matches_mlx_lm_prompt_and_decode(name, decode_kernel):
     ours, ref, _ = build_pair(name)
-    compare_prompt_and_decode(ours, ref)
+    compare_prompt_and_decode(ours, ref, decode_kernel=decode_kernel)
 
 
 def test_configs_exercise_each_switch():

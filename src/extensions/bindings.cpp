@@ -66,6 +66,9 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
         "v_new"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Write new K/V rows into their slots; in place when the pools are donatable.");
+  m.def("linear", &tiny_llm::linear, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ w.T in float32 on the CPU, each weight row read once for all rows of x; a row's "
+        "result does not depend on the other rows.");
   m.def("pool_copies", &tiny_llm::pool_copies,
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "cpu_linear.h"
 #include "metal_launch.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -140,6 +141,38 @@ void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
   throw std::runtime_error("PagedKVWrite: GPU streams use MLX's scatter with buffer donation");
 }
 
+// `a` itself when it is row-major, else a row-major copy made on the stream (a temporary
+// of the encoder: it lives until the kernel that reads it has run).
+mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
+  if (a.flags().row_contiguous) return a;
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  enc.add_temporary(copy);
+  enc.dispatch([src = a.data<char>(), dst = copy.data<char>(), shape = a.shape(),
+                strides = a.strides(), item = a.itemsize()]() {
+    copy_strided(src, dst, shape, strides, item);
+  });
+  return copy;
+}
+
+// ANCHOR: cpu_linear_eval
+void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const auto x = row_major(inputs[0], enc);
+  const auto w = row_major(inputs[1], enc);
+  enc.dispatch([x = x.data<float>(), w = w.data<float>(), y = out.data<float>(),
+                m = x.shape(0), n = w.shape(0), k = x.shape(1)]() { linear_cpu(x, w, y, m, n, k); });
+}
+// ANCHOR_END: cpu_linear_eval
+
+void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/linear.py)");
+}
+
 // ANCHOR: op_entry
 mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                           const mx::array& v_pages, const mx::array& block_table,
@@ -166,6 +199,17 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, tiled),
                    {c(q), c(k_pages), c(v_pages), c(block_table), c(context_lens),
                     c(query_start_loc)});
+}
+
+mx::array linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  check(x.ndim() == 2 && w.ndim() == 2 && x.shape(1) == w.shape(1),
+        "linear needs x [M, K] and w [N, K]");
+  check(x.dtype() == mx::float32 && w.dtype() == mx::float32, "linear computes in float32");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "linear runs on CPU streams only");
+  // Strided inputs are copied by the primitive itself: no extra graph nodes per call.
+  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(stream),
+                   {x, w});
 }
 
 std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,

@@ -9,6 +9,9 @@
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //
+//   linear(x [M, K], w [N, K]) -> x @ w^T [M, N], float32 on a CPU stream: the model's
+//       matmuls with each weight row read once for all rows (cpu_linear.h).
+//
 // Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
 // any kernel runs; these ops check only shapes and dtypes.
 #pragma once
@@ -41,6 +44,8 @@ std::tuple<mx::array, mx::array> paged_kv_write(
     const mx::array& slot_mapping,
     mx::StreamOrDevice s = {});
 
+mx::array linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
 // How many times paged_kv_write had to copy a pool because it was not donatable
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
 int pool_copies();
@@ -66,6 +71,16 @@ class PagedKVWrite : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "PagedKVWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+// Inputs: x [M, K] and w [N, K], row-contiguous float32. Output: [M, N].
+class Linear : public mx::Primitive {
+ public:
+  explicit Linear(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "Linear"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
 };
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -18,6 +19,35 @@ namespace {
 std::atomic<int> g_num_threads{0};
 
 // ANCHOR: cpu_threads
+// A job's threads find it without a system call when they are quick: a worker that has
+// just finished spins for kSpin before it sleeps, and so does the caller waiting for the
+// helpers' last items. A decode step runs a few hundred small kernels (the linear layers,
+// attention) a few microseconds apart, and waking a sleeping thread took about 100 us on
+// the 2-core development machine, more than most of those kernels take. The spin is
+// short: longer ones slowed the MLX ops that run between the kernels there. Nothing ever
+// waits for a spinning thread: items go one at a time to whichever thread asks, so a
+// thread that a busy neighbour keeps off its core only takes fewer of them.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spins until done() or kSpin has passed; returns done().
+template <typename Done>
+bool spin_until(Done done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    for (int i = 0; i < 64; ++i) cpu_relax();
+  }
+  return true;
+}
+
 class WorkerPool {
  public:
   static WorkerPool& instance() {
@@ -37,14 +67,18 @@ class WorkerPool {
       fn_ = &fn;
       n_ = n;
       next_.store(0);
-      helpers_ = pending_ = threads - 1;
-      ++generation_;
+      pending_.store(threads - 1);
+      // One word holds the job's number and its helper count, so a worker reads both at once.
+      job_.store(((job_.load() >> 8) + 1) << 8 | static_cast<uint64_t>(threads - 1));
     }
     wake_.notify_all();
     drain();
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
+    if (!spin_until([&] { return pending_.load() == 0; })) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [&] { return pending_.load() == 0; });
+    }
     // Every thread is done with fn before an error leaves this frame (fn lives in it).
+    std::lock_guard<std::mutex> lock(mutex_);
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
@@ -63,15 +97,19 @@ class WorkerPool {
 
   void serve(int id) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
-      seen = generation_;
-      if (id >= helpers_) continue;
-      lock.unlock();
+      if (!spin_until([&] { return job_.load() != seen; })) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return job_.load() != seen; });
+      }
+      seen = job_.load();
+      // A helper of this job: the job cannot end (nor a newer one start) before it is done.
+      if (id >= static_cast<int>(seen & 0xff)) continue;
       drain();
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      if (pending_.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        done_.notify_one();
+      }
     }
   }
 
@@ -79,9 +117,9 @@ class WorkerPool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void(int)>* fn_ = nullptr;
-  std::atomic<int> next_{0};
-  int n_ = 0, helpers_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<int> next_{0}, pending_{0};
+  std::atomic<uint64_t> job_{0};  // job number << 8 | helpers
+  int n_ = 0;
   std::exception_ptr error_;
 };
 
@@ -91,7 +129,7 @@ void parallel_for(int n, double flops_per_item, const std::function<void(int)>& 
   int hw = g_num_threads.load();
   if (hw <= 0) hw = std::max(1u, std::thread::hardware_concurrency());
   const double total = n * flops_per_item;
-  const int threads = std::min({hw, n, std::max(1, static_cast<int>(total / 2e5))});
+  const int threads = std::min({hw, n, 256, std::max(1, static_cast<int>(total / 2e5))});
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;

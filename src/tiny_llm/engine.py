@@ -59,6 +59,7 @@ from tiny_llm.day3_paged_kv import (
 )
 from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
+from tiny_llm.linear import decode_rows
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
@@ -430,7 +431,9 @@ class LLMEngine:
             return
         batch = StepBatch.build(chunks, self.kv)
         self.attention.begin_step(batch)
-        logits = self.model(batch.token_ids, batch.positions, self.attention, batch.logit_rows)
+        with decode_rows(batch.decode_rows):
+            logits = self.model(batch.token_ids, batch.positions, self.attention,
+                                batch.logit_rows)
         mx.eval(logits, self.attention.state())
         tokens = self._sample(logits, batch)
         with _interrupts_held():

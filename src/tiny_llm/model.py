@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tiny_llm.linear import Linear, linear
 from tiny_llm.moe import SparseMoeBlock
 
 import mlx.core as mx
@@ -206,10 +207,10 @@ class Attention(nn.Module):
         self.head_dim = hd = config.head_dim
         self.scale = hd**-0.5
         dim, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        self.q_proj = Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, dim, bias=False)
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
             self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
@@ -231,9 +232,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -283,7 +284,7 @@ class Model(nn.Module):
         self.config = config
         self.model = Backbone(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def __call__(
         self,
@@ -304,9 +305,11 @@ class Model(nn.Module):
         if logit_rows is not None:
             h = h[logit_rows]
         h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        if not self.config.tie_word_embeddings:
+            return self.lm_head(h)
+        embed = self.model.embed_tokens
+        return embed.as_linear(h) if isinstance(embed, nn.QuantizedEmbedding) else linear(
+            h, embed.weight)
 # ANCHOR_END: model
 
     @property

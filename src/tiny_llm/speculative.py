@@ -40,6 +40,7 @@ from tiny_llm.day3_paged_kv import (
     pool_pages,
 )
 from tiny_llm.day5_paged_flash import FlashAttention
+from tiny_llm.linear import decode_rows
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams, filter_logits
 from tiny_llm.step import ScheduledChunk, StepBatch
@@ -192,8 +193,9 @@ class DraftModelProposer:
                                      for i, c in zip(active, chunks, strict=True)],
                                     _Keyed(self.kv, chunks))
             self.attention.begin_step(batch)
-            logits = self.model(batch.token_ids, batch.positions, self.attention,
-                                batch.logit_rows)
+            with decode_rows(batch.decode_rows):
+                logits = self.model(batch.token_ids, batch.positions, self.attention,
+                                    batch.logit_rows)
             mx.eval(logits, self.attention.state())
             for row, (i, chunk) in enumerate(zip(active, chunks, strict=True)):
                 self.computed[requests[i]] = chunk.end

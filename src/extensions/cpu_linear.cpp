@@ -1,0 +1,220 @@
+// The CPU matmul of the linear layers (see cpu_linear.h).
+#include "cpu_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "worker_pool.h"
+
+namespace tiny_llm {
+
+namespace {
+
+constexpr int kLanes = 8;
+
+// ANCHOR: cpu_linear_vec
+// Which lanes of a vector starting at k hold elements 0 <= k + lane < K: the first and
+// last vectors of a row can be partial.
+struct LaneRange {
+  int lo, hi;  // lanes lo .. hi - 1
+};
+
+// Eight float lanes: AVX2 registers where the compiler targets them, plain arrays (which
+// the compiler vectorises for NEON or SSE) elsewhere.
+#if defined(__AVX2__) && defined(__FMA__)
+struct Vec8 {
+  __m256 v;
+  static Vec8 zero() { return {_mm256_setzero_ps()}; }
+  static Vec8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec8 load(const float* p, LaneRange r) {  // never touches the lanes outside r
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(r.lo - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(r.hi), lane));
+    return {_mm256_maskload_ps(p, in)};
+  }
+  void fma(Vec8 a, Vec8 b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
+  // Lane l (after the rotation) is residue class l; sum (0+4)+(2+6) + (1+5)+(3+7).
+  float sum(int rotation) const {
+    const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i from = _mm256_and_si256(
+        _mm256_add_epi32(order, _mm256_set1_epi32(kLanes - rotation)), _mm256_set1_epi32(7));
+    const __m256 r = _mm256_permutevar8x32_ps(v, from);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct Vec8 {
+  float v[kLanes];
+  static Vec8 zero() { return {}; }
+  static Vec8 load(const float* p) { return load(p, {0, kLanes}); }
+  static Vec8 load(const float* p, LaneRange r) {
+    Vec8 out{};
+    for (int i = r.lo; i < r.hi; ++i) out.v[i] = p[i];
+    return out;
+  }
+  void fma(const Vec8& a, const Vec8& b) {
+    for (int i = 0; i < kLanes; ++i) v[i] = std::fma(a.v[i], b.v[i], v[i]);
+  }
+  float sum(int rotation) const {
+    float r[kLanes], s[4];
+    for (int i = 0; i < kLanes; ++i) r[i] = v[(i + kLanes - rotation) % kLanes];
+    for (int i = 0; i < 4; ++i) s[i] = r[i] + r[i + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+  }
+};
+#endif
+// ANCHOR_END: cpu_linear_vec
+
+// ANCHOR: cpu_linear_plan
+// Every dot product y[m, n] has one definition: lane l accumulates x[k] * w[k] for the k
+// with k % 8 == l, in increasing k, one fused multiply-add each; the eight lanes are then
+// summed in a fixed tree. Where the vectors start is free (it only decides which register
+// lane holds which residue class, undone by the rotation before the sum), so they start
+// where the weight rows are 32-byte aligned: MLX's buffers are not, and a load that
+// straddles two cache lines costs twice. Nothing in the definition depends on M, on the
+// other rows, or on how the work is split.
+struct DotPlan {
+  int64_t first;  // k of the first vector: may be negative (its lanes below 0 are empty)
+  int64_t count;  // vectors per row
+  int64_t K;
+  int rotation;   // register lane j holds residue class (j + rotation) % 8
+};
+
+DotPlan plan_dots(const float* w, int64_t K) {
+  int lead = 0;  // elements before the first 32-byte boundary of every weight row
+  const auto address = reinterpret_cast<std::uintptr_t>(w);
+  if (K % kLanes == 0 && address % sizeof(float) == 0)
+    lead = static_cast<int>((32 - address % 32) % 32 / sizeof(float));
+  const int64_t first = lead == 0 ? 0 : lead - kLanes;
+  return {first, (K - first + kLanes - 1) / kLanes, K, lead};
+}
+
+inline LaneRange lanes_at(const DotPlan& plan, int64_t k) {
+  return {static_cast<int>(std::max<int64_t>(0, -k)),
+          static_cast<int>(std::min<int64_t>(kLanes, plan.K - k))};
+}
+// ANCHOR_END: cpu_linear_plan
+
+// ANCHOR: cpu_linear_tile
+// MR rows of x against NR weight rows: MR * NR accumulators, so every weight vector
+// loaded is used MR times and every x vector NR times. Each (row, weight row) pair has
+// its own accumulator, so the tile's shape never changes a result.
+template <int MR, int NR>
+inline void tile_step(const float* x, const float* w, int64_t K, int64_t k, Vec8 (&acc)[MR][NR],
+                      const LaneRange* partial) {
+  Vec8 wv[NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j)
+    wv[j] = partial ? Vec8::load(w + j * K + k, *partial) : Vec8::load(w + j * K + k);
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const Vec8 xv = partial ? Vec8::load(x + i * K + k, *partial) : Vec8::load(x + i * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j].fma(xv, wv[j]);
+  }
+}
+
+template <int MR, int NR>
+inline void tile(const float* x, const float* w, float* y, int64_t ldy, const DotPlan& plan) {
+  const int64_t K = plan.K;
+  Vec8 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec8::zero();
+  int64_t k = plan.first;
+  const int64_t end = plan.first + plan.count * kLanes;
+  const LaneRange head = lanes_at(plan, k);
+  if (head.lo > 0 || head.hi < kLanes) {
+    tile_step<MR, NR>(x, w, K, k, acc, &head);
+    k += kLanes;
+  }
+  const int64_t full_end = k + (std::min(end, K) - k) / kLanes * kLanes;
+  for (; k < full_end; k += kLanes) {
+    // The next weight tile (the next NR rows) is on its way from memory meanwhile.
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (NR + j) * K + k);
+    tile_step<MR, NR>(x, w, K, k, acc, nullptr);
+  }
+  if (k < end) {
+    const LaneRange tail = lanes_at(plan, k);
+    tile_step<MR, NR>(x, w, K, k, acc, &tail);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = acc[i][j].sum(plan.rotation);
+}
+// ANCHOR_END: cpu_linear_tile
+
+constexpr int kTileRows = 4;     // MR: rows of x per tile
+constexpr int kTileWeights = 3;  // NR: weight rows per tile
+
+// NR weight rows against rows m0 .. m1 - 1 of x.
+template <int NR>
+void weight_tile(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t N,
+                 const DotPlan& plan) {
+  const int64_t K = plan.K;
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows)
+    tile<kTileRows, NR>(x + m * K, w, y + m * N, N, plan);
+  switch (m1 - m) {
+    case 3: return tile<3, NR>(x + m * K, w, y + m * N, N, plan);
+    case 2: return tile<2, NR>(x + m * K, w, y + m * N, N, plan);
+    case 1: return tile<1, NR>(x + m * K, w, y + m * N, N, plan);
+    default: return;
+  }
+}
+
+// Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1. Weight tiles outermost: each
+// is read from memory once and used by every row tile while it is in L1; the rows stay
+// in L2 for the next weight tile.
+void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t n0,
+           int64_t n1, int64_t N, const DotPlan& plan) {
+  const int64_t K = plan.K;
+  int64_t n = n0;
+  for (; n + kTileWeights <= n1; n += kTileWeights)
+    weight_tile<kTileWeights>(x, w + n * K, y + n, m0, m1, N, plan);
+  for (; n < n1; ++n) weight_tile<1>(x, w + n * K, y + n, m0, m1, N, plan);
+}
+
+}  // namespace
+
+// ANCHOR: cpu_linear
+void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  // A work item: up to 64 rows of x (in L2) against about 64 KiB of weight rows.
+  const int64_t block_rows = 16 * kTileRows;
+  const int64_t block_weights = std::max<int64_t>(
+      kTileWeights, 65536 / static_cast<int64_t>(sizeof(float) * std::max<int64_t>(K, 1)) /
+                        kTileWeights * kTileWeights);
+  const int64_t m_blocks = (M + block_rows - 1) / block_rows;
+  const int64_t n_blocks = (N + block_weights - 1) / block_weights;
+  const double flops = 2.0 * std::min(M, block_rows) * block_weights * K;
+  const DotPlan plan = plan_dots(w, K);
+  // x's rows start where w's do modulo 32 bytes (or x is copied so), so both load aligned.
+  std::vector<float> staged;
+  const auto misalign = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p) % 32; };
+  if (K % kLanes == 0 && misalign(x) != misalign(w) && misalign(w) % sizeof(float) == 0) {
+    staged.resize(M * K + kLanes);
+    float* start = staged.data();
+    while (misalign(start) != misalign(w)) ++start;
+    std::copy(x, x + M * K, start);
+    x = start;
+  }
+  // Weight blocks outermost: the blocks of one weight block's rows run back to back.
+  parallel_for(static_cast<int>(m_blocks * n_blocks), flops, [&](int item) {
+    const int64_t nb = item / m_blocks, mb = item % m_blocks;
+    block(x, w, y, mb * block_rows, std::min(M, (mb + 1) * block_rows), nb * block_weights,
+          std::min(N, (nb + 1) * block_weights), N, plan);
+  });
+}
+// ANCHOR_END: cpu_linear
+
+}  // namespace tiny_llm

@@ -1,0 +1,18 @@
+// The CPU matmul of the model's linear layers: y [M, N] = x [M, K] @ w [N, K]^T, float32.
+//
+// Each weight row is read from memory once per call for all M rows of x (a decode step
+// streams the weights once, whatever its batch), and each output y[m, n] is one dot
+// product computed the same way whatever M is: one 8-lane fused multiply-add accumulator
+// over k = 0, 8, 16, ..., a fixed horizontal sum, then the K % 8 tail in order. A row's
+// result therefore does not depend on which other rows share the call (batch invariance
+// by construction, not by luck). Blocks of rows and weight rows run on the worker pool;
+// how they are split never changes a result.
+#pragma once
+
+#include <cstdint>
+
+namespace tiny_llm {
+
+void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K);
+
+}  // namespace tiny_llm
