@@ -1,12 +1,19 @@
 """Decode speed against batch size on the CPU, next to the machine's memory-bandwidth and
-compute bounds: where the engine stands, and what the CPU-speed work has to gain.
+compute bounds: the model's ops in MLX against the extension's CPU kernels.
 
-For each batch size ``B`` (1, 2, 4, ..., 64; ``--quick``: 1, 2, 4 on the tiny model) one
-engine (the defaults: paged KV, tiled kernel, chunked prefill; prefix caching off) serves
-``B`` requests of 16 random prompt tokens at once, ``max_num_seqs=B``. Once every request
-is decoding, ``--steps`` (16) decode steps are timed one by one (``engine.step()``, wall
-clock); the median is the step time. Right after, the model's matmuls alone at ``B`` rows
-(every linear layer and the tied vocabulary projection, ``GemmProbe``, the median of 5).
+For each batch size ``B`` (1, 2, 4, ..., 64; ``--quick``: 1, 2, 4 on the tiny model) and
+each of two engines, one engine (the defaults: paged KV, tiled kernel, chunked prefill;
+prefix caching off) serves ``B`` requests of 16 random prompt tokens at once,
+``max_num_seqs=B``:
+
+- ``MLX ops``: ``cpu_kernels=False``, every matmul by MLX's matmul (OpenBLAS on one
+  thread), RoPE by ``mx.fast.rope`` (what the engine did before the CPU kernels);
+- ``kernels``: the default, ``cpu_kernels=True`` (``tiny_llm/cpu_kernels.py``): decode rows
+  by the extension's decode matmul on the worker pool, RoPE by its one-op rope.
+
+Once every request is decoding, ``--steps`` (16) decode steps are timed one by one
+(``engine.step()``, wall clock); the median is the step time. Right after, the model's
+matmuls alone at ``B`` rows, as each engine runs them (``GemmProbe``, the median of 5).
 
 Bounds, measured in the same run:
 
@@ -16,16 +23,17 @@ Bounds, measured in the same run:
   are left out, so the bound is optimistic at large batches: 45 KiB per token of context
   in float32 and 17-33 tokens per request while timed, on average about 14% of the
   weights' bytes at batch 64 and 2% at batch 8.
-- **compute**: ``2 x (weights of the matmuls) x B`` flops per step at the float32 GEMM
-  rate of one large OpenBLAS product (1024 x 1024 x 1024, OpenBLAS's thread setting as
-  served).
+- **compute**: ``2 x (weights of the matmuls) x B`` flops per step at the best float32
+  GEMM rate measured here: one 1024 x 1024 x 1024 product by OpenBLAS split over every
+  core (the extension's ``linear(..., blas=True)``). The one-thread rate is reported too.
 
-Reported per ``B``: ms/step, output tok/s (``B`` / step time), the GEMMs-alone time and
-its share of the step, the weight bytes streamed per second during the step (bytes per
-step / step time) and that as a fraction of the copy bandwidth, and the step time over
-each bound. ``--rounds`` rounds (default 3), batch sizes in alternating order; medians.
+Reported per ``B``: ms/step of both engines and their ratio, output tok/s (``B`` / step
+time), the GEMMs-alone times, the weight bytes streamed per second during the kernels'
+step (bytes per step / step time) and that as a fraction of the copy bandwidth, and the
+kernels' step time over each bound. ``--rounds`` rounds (default 3), batch sizes and
+engines in alternating order; medians.
 
-    python benches/bench_cpu_decode.py          # about 3 minutes on 2 cores
+    python benches/bench_cpu_decode.py          # about 6 minutes on 2 cores
     python benches/bench_cpu_decode.py --quick  # tiny random model, writes *_quick.*
 """
 
@@ -58,23 +66,29 @@ NAME = "bench_cpu_decode"
 PROMPT_TOKENS = 16
 
 
-def gemm_rate(n: int = 1024, repeats: int = 5) -> float:
-    """float32 flops per second of one n x n x n product (median of repeats)."""
+def gemm_rate(n: int = 1024, repeats: int = 5, split: bool = False) -> float:
+    """float32 flops per second of one n x n x n product (median of repeats), by MLX's
+    matmul or (``split``) by the extension's BLAS split over every core."""
+    from tiny_llm.cpu_kernels import native
+
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
-    mx.eval(a, b, a @ b)
+    product = (lambda: native().linear(a, b, blas=True)) if split else (lambda: a @ b.T)
+    mx.eval(a, b, product())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(a @ b)
+        mx.eval(product())
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times)
 
 
-def decode_steps(model: Any, tokenizer: Any, batch: int, steps: int, seed: int) -> list[float]:
+def decode_steps(model: Any, tokenizer: Any, batch: int, steps: int, seed: int,
+                 cpu_kernels: bool) -> list[float]:
     """Seconds of ``steps`` decode steps with ``batch`` requests decoding."""
     rng = random.Random(seed)
     engine = LLMEngine(model, tokenizer, max_num_seqs=batch, enable_prefix_caching=False,
-                       max_num_batched_tokens=max(512, batch), max_model_len=256)
+                       max_num_batched_tokens=max(512, batch), max_model_len=256,
+                       cpu_kernels=cpu_kernels)
     for _ in range(batch):
         prompt = [rng.randrange(100, 10000) for _ in range(PROMPT_TOKENS)]
         engine.add_request({"prompt_token_ids": prompt}, greedy(steps + 8))
@@ -100,27 +114,32 @@ def matmul_params(model: Any) -> int:
     return linear + head
 
 
+ENGINES = {"MLX ops": False, "kernels": True}  # label -> cpu_kernels
+
+
 def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
     return Table(
-        title=f"Decode against batch size, {data['model']}: step time, tok/s and the bounds",
-        headers=["batch", "ms/step", "output tok/s", "GEMMs alone ms", "GEMM share",
-                 "weights GB/s", "of copy bandwidth", "step / memory bound",
+        title=f"Decode against batch size, {data['model']}: MLX ops against the CPU kernels, "
+              "and the bounds",
+        headers=["batch", "ms/step MLX ops", "ms/step kernels", "kernels speedup",
+                 "kernels tok/s", "GEMMs alone ms MLX", "GEMMs alone ms kernels",
+                 "kernels weights GB/s", "of copy bandwidth", "step / memory bound",
                  "step / compute bound"],
-        rows=[[r["batch"], r["step_ms"], r["tok_s"], r["gemm_ms"], r["gemm_share"],
-               r["weights_GBps"], r["of_bandwidth"], r["vs_memory_bound"],
-               r["vs_compute_bound"]] for r in rows],
-        formats=["", ".1f", ".1f", ".1f", ".2f", ".1f", ".2f", ".1f", ".1f"],
+        rows=[[r["batch"], r["mlx_step_ms"], r["step_ms"], r["speedup"], r["tok_s"],
+               r["mlx_gemm_ms"], r["gemm_ms"], r["weights_GBps"], r["of_bandwidth"],
+               r["vs_memory_bound"], r["vs_compute_bound"]] for r in rows],
+        formats=["", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f"],
         note=(
             f"Engine defaults (paged KV, tiled kernel, prefix caching off), max_num_seqs = "
             f"batch, {PROMPT_TOKENS}-token prompts; ms/step: median of {data['steps']} decode "
-            f"steps, then of {data['rounds']} rounds. Weights read per step: "
-            f"{data['bytes_per_step'] / 1e6:.0f} MB; copy bandwidth "
-            f"{data['copy_bandwidth_GBps']:.1f} GB/s, so the memory bound is "
+            f"steps, then of {data['rounds']} rounds. MLX ops: cpu_kernels=False; kernels: "
+            f"the default. Weights read per step: {data['bytes_per_step'] / 1e6:.0f} MB; copy "
+            f"bandwidth {data['copy_bandwidth_GBps']:.1f} GB/s, so the memory bound is "
             f"{data['memory_bound_ms']:.1f} ms/step at any batch. Compute bound: "
             f"{data['matmul_params'] / 1e6:.0f}M matmul weights x 2 flops x batch at "
-            f"{data['gemm_GFLOPs']:.1f} GFLOP/s (one 1024^3 float32 product, OpenBLAS on "
-            f"{data['openblas_threads']} thread(s)). GEMMs alone: the step's matmuls at "
-            "batch rows on random inputs."
+            f"{data['gemm_all_cores_GFLOPs']:.1f} GFLOP/s (one 1024^3 float32 product, OpenBLAS "
+            f"split over every core; on one thread: {data['gemm_GFLOPs']:.1f}). GEMMs alone: "
+            "the step's matmuls at batch rows on random inputs, as each engine runs them."
         ),
     )
 
@@ -133,13 +152,16 @@ def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
 
     b = np.array([r["batch"] for r in rows])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.plot(b, [r["tok_s"] for r in rows], "o-", label="engine")
+    ax1.plot(b, [r["batch"] / r["mlx_step_ms"] * 1e3 for r in rows], "o-", label="MLX ops")
+    ax1.plot(b, [r["tok_s"] for r in rows], "o-", label="kernels")
     ax1.plot(b, b / (data["memory_bound_ms"] / 1e3), "k--", label="memory bound")
-    compute_s = 2 * data["matmul_params"] / (data["gemm_GFLOPs"] * 1e9)
+    compute_s = 2 * data["matmul_params"] / (data["gemm_all_cores_GFLOPs"] * 1e9)
     ax1.plot(b, np.full(len(b), 1 / compute_s), "k:", label="compute bound")
     ax1.set_title("decode output tok/s")
-    ax2.plot(b, [r["step_ms"] for r in rows], "o-", label="step")
-    ax2.plot(b, [r["gemm_ms"] for r in rows], "s-", label="GEMMs alone")
+    ax2.plot(b, [r["mlx_step_ms"] for r in rows], "o-", label="step, MLX ops")
+    ax2.plot(b, [r["step_ms"] for r in rows], "o-", label="step, kernels")
+    ax2.plot(b, [r["mlx_gemm_ms"] for r in rows], "s--", label="GEMMs alone, MLX")
+    ax2.plot(b, [r["gemm_ms"] for r in rows], "s--", label="GEMMs alone, kernels")
     ax2.axhline(data["memory_bound_ms"], color="k", linestyle="--", label="memory bound")
     ax2.set_title("ms per decode step")
     for ax in (ax1, ax2):
@@ -164,39 +186,50 @@ def main() -> None:
     c = model.config
     bytes_per_step = decode_bytes_per_token(params, c.vocab_size, c.tie_word_embeddings)
     probe = GemmProbe(model)
-    decode_steps(model, tokenizer, 2, 2, seed=0)  # warmup: first-call costs, thread pools
+    for cpu_kernels in ENGINES.values():  # warmup: first-call costs, thread pools
+        decode_steps(model, tokenizer, 2, 2, seed=0, cpu_kernels=cpu_kernels)
     t0 = time.perf_counter()
-    runs: dict[int, dict[str, list[float]]] = {b: {"step": [], "gemm": []} for b in batches}
-    bandwidths, rates = [], []
+    runs = {(b, e): {"step": [], "gemm": []} for b in batches for e in ENGINES}
+    bandwidths, rates, split_rates = [], [], []
     for r in range(args.rounds):
         for batch in batches if r % 2 == 0 else batches[::-1]:
-            runs[batch]["step"].append(statistics.median(
-                decode_steps(model, tokenizer, batch, args.steps, seed=r)))
-            runs[batch]["gemm"].append(statistics.median(
-                probe.time(batch, batch) for _ in range(5)))
-            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: batch {batch:3d} "
-                  f"{1e3 * runs[batch]['step'][-1]:7.1f} ms/step", flush=True)
+            for label in ENGINES if (r + batch) % 2 == 0 else list(ENGINES)[::-1]:
+                kernels = ENGINES[label]
+                run = runs[batch, label]
+                run["step"].append(statistics.median(decode_steps(
+                    model, tokenizer, batch, args.steps, seed=r, cpu_kernels=kernels)))
+                run["gemm"].append(statistics.median(
+                    probe.time(batch, batch, batch if kernels else None) for _ in range(5)))
+                print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: batch {batch:3d} "
+                      f"{label:8s} {1e3 * run['step'][-1]:7.1f} ms/step", flush=True)
         bandwidths.append(copy_bandwidth())
         rates.append(gemm_rate())
+        split_rates.append(gemm_rate(split=True))
     bandwidth, rate = statistics.median(bandwidths), statistics.median(rates)
+    split_rate = statistics.median(split_rates)
     memory_bound = bytes_per_step / bandwidth
     flops_per_row = 2 * matmul_params(model)
     rows = []
     for batch in batches:
-        step = statistics.median(runs[batch]["step"])
-        gemm = statistics.median(runs[batch]["gemm"])
+        step = statistics.median(runs[batch, "kernels"]["step"])
+        mlx_step = statistics.median(runs[batch, "MLX ops"]["step"])
         rows.append(dict(
-            batch=batch, step_ms=1e3 * step, tok_s=batch / step, gemm_ms=1e3 * gemm,
-            gemm_share=gemm / step, weights_GBps=bytes_per_step / step / 1e9,
+            batch=batch, step_ms=1e3 * step, mlx_step_ms=1e3 * mlx_step,
+            speedup=mlx_step / step, tok_s=batch / step,
+            gemm_ms=1e3 * statistics.median(runs[batch, "kernels"]["gemm"]),
+            mlx_gemm_ms=1e3 * statistics.median(runs[batch, "MLX ops"]["gemm"]),
+            weights_GBps=bytes_per_step / step / 1e9,
             of_bandwidth=bytes_per_step / step / bandwidth, vs_memory_bound=step / memory_bound,
-            vs_compute_bound=step / (flops_per_row * batch / rate),
-            step_ms_all=[1e3 * x for x in runs[batch]["step"]],
+            vs_compute_bound=step / (flops_per_row * batch / split_rate),
+            step_ms_all=[1e3 * x for x in runs[batch, "kernels"]["step"]],
+            mlx_step_ms_all=[1e3 * x for x in runs[batch, "MLX ops"]["step"]],
         ))
     data = {
         "model": model_name, "steps": args.steps, "rounds": args.rounds,
         "bytes_per_step": bytes_per_step, "copy_bandwidth_GBps": bandwidth / 1e9,
         "memory_bound_ms": 1e3 * memory_bound, "matmul_params": matmul_params(model),
-        "gemm_GFLOPs": rate / 1e9, "openblas_threads": openblas_threads(), "rows": rows,
+        "gemm_GFLOPs": rate / 1e9, "gemm_all_cores_GFLOPs": split_rate / 1e9,
+        "openblas_threads": openblas_threads(), "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
     save_results(NAME + ("_quick" if args.quick else ""), data, [make_table(rows, data)],

@@ -498,6 +498,7 @@ class EngineRun:
         self._t = dict.fromkeys(("schedule", "schedule_end", "metadata", "begin", "graph",
                                  "eval", "model_start"), 0.0)
         self._step_tokens = 0
+        self.decode_rows: int | None = None  # the last step's, for its GEMMs alone
         self._decode_only = True
         self._instrument()
 
@@ -526,6 +527,7 @@ class EngineRun:
             start = time.perf_counter()
             begin(step)
             t["begin"] += time.perf_counter() - start
+            self.decode_rows = step.decode_rows if engine.config.cpu_kernels else None
 
         engine.scheduler.schedule = timed_schedule
         engine.kv.layout = timed_layout
@@ -571,7 +573,7 @@ class EngineRun:
             schedule=t["schedule"], metadata=t["metadata"], begin=t["begin"],
             layout=build - t["metadata"] - t["begin"], graph=t["graph"], eval=t["eval"],
             sample_update=dt - t["schedule"] - build - t["graph"] - t["eval"], copied=copied,
-            sampled=sum(1 for o in outputs if o.new_token_ids),
+            sampled=sum(1 for o in outputs if o.new_token_ids), decode_rows=self.decode_rows,
         ))
 
     def done(self) -> bool:
@@ -688,7 +690,8 @@ def progression_round(model: Model, tokenizer: Any, sz: dict[str, Any], lm: Any,
             run.step()
             if run.label == FINAL and len(run.steps) % 2 == 0:  # its GEMMs alone, now
                 last = run.steps[-1]
-                last["gemm_alone"] = probe.time(last["tokens"], max(1, last["sampled"]))
+                last["gemm_alone"] = probe.time(last["tokens"], max(1, last["sampled"]),
+                                                last["decode_rows"])
         loops += 1
         if loops % 25 == 0:
             print(f"  progression: {loops} rounds, " + ", ".join(

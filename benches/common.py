@@ -235,7 +235,10 @@ def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
 
 class GemmProbe:
     """The model's matmuls alone: every linear layer at ``tokens`` rows and the (tied)
-    vocabulary projection at ``logit_rows`` rows, on fresh random inputs."""
+    vocabulary projection at ``logit_rows`` rows, on fresh random inputs, as an engine step
+    runs them: by MLX's matmul, or with ``decode_rows`` (an engine with ``cpu_kernels``) the
+    first ``decode_rows`` rows by the extension's decode kernel and the rest by its split
+    BLAS (``tiny_llm/cpu_kernels.py``)."""
 
     def __init__(self, model: Model):
         import mlx.nn as nn
@@ -244,7 +247,9 @@ class GemmProbe:
         self.lm_head = model.model.embed_tokens.weight if model.config.tie_word_embeddings \
             else None
 
-    def time(self, tokens: int, logit_rows: int) -> float:
+    def time(self, tokens: int, logit_rows: int, decode_rows: int | None = None) -> float:
+        from tiny_llm.cpu_kernels import kernel_forward, linear
+
         import mlx.core as mx
 
         xs = {d: mx.random.normal((tokens, d)) for d in {w.shape[1] for w in self.weights}}
@@ -252,9 +257,10 @@ class GemmProbe:
         x_lm = mx.random.normal((logit_rows, hidden))
         mx.eval(xs, x_lm)
         start = time.perf_counter()
-        outs = [xs[w.shape[1]] @ w.T for w in self.weights]
-        if self.lm_head is not None:
-            outs.append(x_lm @ self.lm_head.T)
+        with kernel_forward(decode_rows or 0, enabled=decode_rows is not None):
+            outs = [linear(xs[w.shape[1]], w) for w in self.weights]
+            if self.lm_head is not None:
+                outs.append(linear(x_lm, self.lm_head))
         mx.eval(outs)
         return time.perf_counter() - start
 

@@ -10,8 +10,8 @@ near-constant outputs.
 
 from __future__ import annotations
 
+from tiny_llm.cpu_kernels import kernel_forward
 from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.linear import decode_rows
 from tiny_llm.loader import build_model
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.testing.models import mlx_lm_model, random_weights
@@ -104,7 +104,7 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
                               decode_kernel: bool = False) -> None:
     """One prompt forward, then DECODE_STEPS greedy steps, ours vs mlx-lm, each with its cache;
     with ``decode_kernel`` the decode steps' matmuls take the extension's kernel as the
-    engine's decode rows do (``tiny_llm/linear.py``)."""
+    engine's decode rows do (``tiny_llm/cpu_kernels.py``)."""
     tokens = prompt(vocab=ours.config.vocab_size)
     ref_cache = lm_cache.make_prompt_cache(ref)
     our_cache = DenseKVCache(ours.config.num_hidden_layers)
@@ -117,7 +117,7 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
     token = mx.argmax(expected[-1:], axis=-1).astype(mx.int32)
     for step in range(DECODE_STEPS):
         expected = ref(token[None], cache=ref_cache)[0]
-        with decode_rows(1 if decode_kernel else 0):
+        with kernel_forward(1, enabled=decode_kernel):
             got = ours(token, mx.array([PROMPT_LEN + step]), our_cache)
         assert got.shape == (1, ours.config.vocab_size)
         assert max_diff(got, expected) <= atol, f"decode step {step} differs from mlx-lm"

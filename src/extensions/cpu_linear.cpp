@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -11,6 +12,14 @@
 #endif
 
 #include "worker_pool.h"
+
+#if defined(__linux__)
+// MLX's own symbol: the OpenBLAS shim's when tiny_llm/blas.py has loaded it, else the
+// reference BLAS of the mlx wheel. 101, 111, 112: CblasRowMajor, CblasNoTrans, CblasTrans.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
+                            float alpha, const float* a, int lda, const float* b, int ldb,
+                            float beta, float* c, int ldc);
+#endif
 
 namespace tiny_llm {
 
@@ -157,6 +166,16 @@ inline void tile(const float* x, const float* w, float* y, int64_t ldy, const Do
 constexpr int kTileRows = 4;     // MR: rows of x per tile
 constexpr int kTileWeights = 3;  // NR: weight rows per tile
 
+// The last rows - m0 < kTileRows rows of x, one tile of exactly that many.
+template <int MR, int NR>
+void remainder_tile(const float* x, const float* w, float* y, int64_t rows, int64_t N,
+                    const DotPlan& plan) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile<MR, NR>(x, w, y, N, plan);
+    remainder_tile<MR - 1, NR>(x, w, y, rows, N, plan);
+  }
+}
+
 // NR weight rows against rows m0 .. m1 - 1 of x.
 template <int NR>
 void weight_tile(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t N,
@@ -165,24 +184,25 @@ void weight_tile(const float* x, const float* w, float* y, int64_t m0, int64_t m
   int64_t m = m0;
   for (; m + kTileRows <= m1; m += kTileRows)
     tile<kTileRows, NR>(x + m * K, w, y + m * N, N, plan);
-  switch (m1 - m) {
-    case 3: return tile<3, NR>(x + m * K, w, y + m * N, N, plan);
-    case 2: return tile<2, NR>(x + m * K, w, y + m * N, N, plan);
-    case 1: return tile<1, NR>(x + m * K, w, y + m * N, N, plan);
-    default: return;
-  }
+  remainder_tile<kTileRows - 1, NR>(x + m * K, w, y + m * N, m1 - m, N, plan);
 }
 
-// Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1. Weight tiles outermost: each
-// is read from memory once and used by every row tile while it is in L1; the rows stay
-// in L2 for the next weight tile.
+// Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1, a few rows at a time (about
+// 16 KiB of them, in L1). Weight tiles innermost: each is read from memory once, for the
+// first rows, and from L2 for the next ones.
 void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t n0,
            int64_t n1, int64_t N, const DotPlan& plan) {
   const int64_t K = plan.K;
-  int64_t n = n0;
-  for (; n + kTileWeights <= n1; n += kTileWeights)
-    weight_tile<kTileWeights>(x, w + n * K, y + n, m0, m1, N, plan);
-  for (; n < n1; ++n) weight_tile<1>(x, w + n * K, y + n, m0, m1, N, plan);
+  const int64_t rows_in_l1 = std::max<int64_t>(
+      kTileRows, 16384 / static_cast<int64_t>(sizeof(float) * std::max<int64_t>(K, 1)) /
+                     kTileRows * kTileRows);
+  for (int64_t m = m0; m < m1; m += rows_in_l1) {
+    const int64_t m_end = std::min(m1, m + rows_in_l1);
+    int64_t n = n0;
+    for (; n + kTileWeights <= n1; n += kTileWeights)
+      weight_tile<kTileWeights>(x, w + n * K, y + n, m, m_end, N, plan);
+    for (; n < n1; ++n) weight_tile<1>(x, w + n * K, y + n, m, m_end, N, plan);
+  }
 }
 
 }  // namespace
@@ -216,5 +236,26 @@ void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, 
   });
 }
 // ANCHOR_END: cpu_linear
+
+// ANCHOR: cpu_linear_blas_split
+void linear_blas_split(const float* x, const float* w, float* y, int64_t M, int64_t N,
+                       int64_t K) {
+#if defined(__linux__)
+  // About eight blocks of at least 64 weight rows: enough to share out unevenly, few
+  // enough that repacking x for each call stays small next to the product.
+  const int64_t block = std::max<int64_t>(64, (N + 7) / 8 + 15) / 16 * 16;
+  const int64_t blocks = (N + block - 1) / block;
+  parallel_for(static_cast<int>(blocks), 2.0 * M * block * K, [&](int b) {
+    const int64_t n0 = b * block, n = std::min(N, n0 + block) - n0;
+    cblas_sgemm(101, 111, 112, static_cast<int>(M), static_cast<int>(n), static_cast<int>(K),
+                1.0f, x, static_cast<int>(K), w + n0 * K, static_cast<int>(K), 0.0f, y + n0,
+                static_cast<int>(N));
+  });
+#else
+  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
+  throw std::runtime_error("linear_blas_split: Linux only");
+#endif
+}
+// ANCHOR_END: cpu_linear_blas_split
 
 }  // namespace tiny_llm

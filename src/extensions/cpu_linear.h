@@ -15,4 +15,17 @@ namespace tiny_llm {
 
 void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K);
 
+// The same product by the BLAS that MLX's matmul calls (OpenBLAS on Linux, on one thread),
+// one call per block of weight rows, the blocks spread over the worker pool: both cores
+// for prefill without OpenBLAS's own threads, which spin waiting for each other and
+// collapse when another process holds a core. A block goes to whichever thread asks, so a
+// thread kept off its core only takes fewer blocks. Linux only (kHasBlasSplit).
+#if defined(__linux__)
+constexpr bool kHasBlasSplit = true;
+#else
+constexpr bool kHasBlasSplit = false;
+#endif
+void linear_blas_split(const float* x, const float* w, float* y, int64_t M, int64_t N,
+                       int64_t K);
+
 }  // namespace tiny_llm

@@ -11,6 +11,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_linear.h"
+#include "cpu_layers.h"
 #include "metal_launch.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -165,12 +166,62 @@ void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   const auto x = row_major(inputs[0], enc);
   const auto w = row_major(inputs[1], enc);
   enc.dispatch([x = x.data<float>(), w = w.data<float>(), y = out.data<float>(),
-                m = x.shape(0), n = w.shape(0), k = x.shape(1)]() { linear_cpu(x, w, y, m, n, k); });
+                m = x.shape(0), n = w.shape(0), k = x.shape(1), blas = blas_]() {
+    if (blas) {
+      linear_blas_split(x, w, y, m, n, k);
+    } else {
+      linear_cpu(x, w, y, m, n, k);
+    }
+  });
 }
 // ANCHOR_END: cpu_linear_eval
 
 void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/linear.py)");
+  throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/cpu_kernels.py)");
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const auto x = row_major(inputs[0], enc);
+  const auto positions = row_major(inputs[1], enc);
+  const auto inv_freq = row_major(inputs[2], enc);
+  const RopeShape g{x.shape(0), x.shape(1), x.shape(2), dims_, traditional_, scale_};
+  enc.dispatch([x = x.data<float>(), p = positions.data<int32_t>(),
+                f = inv_freq.data<float>(), y = out.data<float>(), g]() {
+    rope_cpu(x, p, f, y, g);
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("Rope: GPU streams use mx.fast.rope (tiny_llm/model.py)");
+}
+
+void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const auto gate = row_major(inputs[0], enc);
+  const auto up = row_major(inputs[1], enc);
+  const int64_t cols = gate.ndim() ? gate.shape(-1) : 1;
+  enc.dispatch([g = gate.data<float>(), u = up.data<float>(), y = out.data<float>(),
+                rows = cols ? static_cast<int64_t>(gate.size()) / cols : 0, cols]() {
+    swiglu_cpu(g, u, y, rows, cols);
+  });
+}
+
+void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("SwiGLU: GPU streams use MLX's ops (tiny_llm/model.py)");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
 }
 
 // ANCHOR: op_entry
@@ -201,15 +252,41 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                     c(query_start_loc)});
 }
 
-mx::array linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array linear(const mx::array& x, const mx::array& w, bool blas, mx::StreamOrDevice s) {
   check(x.ndim() == 2 && w.ndim() == 2 && x.shape(1) == w.shape(1),
         "linear needs x [M, K] and w [N, K]");
   check(x.dtype() == mx::float32 && w.dtype() == mx::float32, "linear computes in float32");
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "linear runs on CPU streams only");
+  check(!blas || kHasBlasSplit, "linear(blas=True) runs on Linux only");
   // Strided inputs are copied by the primitive itself: no extra graph nodes per call.
-  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(stream),
+  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(stream, blas),
                    {x, w});
+}
+
+mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
+               int dims, bool traditional, float scale, mx::StreamOrDevice s) {
+  check(x.ndim() == 3 && x.dtype() == mx::float32, "rope needs float32 x [T, H, D]");
+  check(dims > 0 && dims % 2 == 0 && dims <= x.shape(2),
+        "rope's dims must be even and at most the head size");
+  check(positions.dtype() == mx::int32 && positions.ndim() == 1 &&
+            positions.shape(0) == x.shape(0),
+        "rope needs int32 positions [T]");
+  check(inv_freq.dtype() == mx::float32 && inv_freq.ndim() == 1 &&
+            inv_freq.shape(0) == dims / 2,
+        "rope needs float32 inv_freq [dims / 2]");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "rope runs on CPU streams only");
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(stream, dims, traditional, scale),
+                   {x, positions, inv_freq});
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  check(gate.dtype() == mx::float32 && up.dtype() == mx::float32 && gate.shape() == up.shape(),
+        "swiglu needs float32 gate and up of one shape");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "swiglu runs on CPU streams only");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {gate, up});
 }
 
 std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,

@@ -9,8 +9,12 @@
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //
-//   linear(x [M, K], w [N, K]) -> x @ w^T [M, N], float32 on a CPU stream: the model's
-//       matmuls with each weight row read once for all rows (cpu_linear.h).
+//   linear(x [M, K], w [N, K], blas) -> x @ w^T [M, N], float32 on a CPU stream: the
+//       model's matmuls, each weight row read once for all rows (the decode rows), or with
+//       blas, MLX's BLAS split over the worker pool (the prefill rows; cpu_linear.h).
+//   rope(x [T, H, D], positions int32 [T], inv_freq [dims / 2], dims, traditional, scale)
+//       -> [T, H, D], float32 on a CPU stream: RoPE with a position per row (cpu_layers.h).
+//   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
 //
 // Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
 // any kernel runs; these ops check only shapes and dtypes.
@@ -44,7 +48,13 @@ std::tuple<mx::array, mx::array> paged_kv_write(
     const mx::array& slot_mapping,
     mx::StreamOrDevice s = {});
 
-mx::array linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+mx::array linear(const mx::array& x, const mx::array& w, bool blas = false,
+                 mx::StreamOrDevice s = {});
+
+mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
+               int dims, bool traditional, float scale, mx::StreamOrDevice s = {});
+
+mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
 // How many times paged_kv_write had to copy a pool because it was not donatable
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
@@ -77,10 +87,41 @@ class PagedKVWrite : public mx::Primitive {
 // Inputs: x [M, K] and w [N, K], row-contiguous float32. Output: [M, N].
 class Linear : public mx::Primitive {
  public:
-  explicit Linear(mx::Stream stream) : mx::Primitive(stream) {}
+  Linear(mx::Stream stream, bool blas) : mx::Primitive(stream), blas_(blas) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "Linear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return blas_ == static_cast<const Linear&>(other).blas_;
+  }
+
+ private:
+  bool blas_;
+};
+
+// Inputs: x [T, H, D] float32, positions int32 [T], inv_freq float32 [dims / 2].
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "Rope"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+};
+
+// Inputs: gate and up, float32 of one shape.
+class SwiGLU : public mx::Primitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "SwiGLU"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
 };
 

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tiny_llm.cpu_kernels import kernel_forward
 from tiny_llm.day1_batching import POLICIES, DenseAttention, DenseSlots, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.day3_paged_kv import (
@@ -59,7 +60,6 @@ from tiny_llm.day3_paged_kv import (
 )
 from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
-from tiny_llm.linear import decode_rows
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
@@ -119,6 +119,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # tokens drafted per request and step
     speculative_max_batch: int = 16  # no drafts above this many running requests (measured)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
+    cpu_kernels: bool = True  # the extension's CPU matmuls and RoPE; False: MLX ops only
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -129,7 +130,7 @@ class EngineConfig:
                             ("long_prefill_token_threshold", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), least)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -258,7 +259,8 @@ class LLMEngine:
             proposer = NgramProposer()
         else:
             proposer = make_draft_proposer(self.model, self.tokenizer, cfg.draft_model,
-                                           cfg.page_size, self.max_model_len, cfg.max_num_seqs)
+                                           cfg.page_size, self.max_model_len, cfg.max_num_seqs,
+                                           cfg.cpu_kernels)
         policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
         return SpeculativeDecoding(proposer, policy, self.model.config.vocab_size)
 
@@ -431,7 +433,7 @@ class LLMEngine:
             return
         batch = StepBatch.build(chunks, self.kv)
         self.attention.begin_step(batch)
-        with decode_rows(batch.decode_rows):
+        with kernel_forward(batch.decode_rows, enabled=self.config.cpu_kernels):
             logits = self.model(batch.token_ids, batch.positions, self.attention,
                                 batch.logit_rows)
         mx.eval(logits, self.attention.state())

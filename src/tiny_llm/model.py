@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.linear import Linear, linear
+from tiny_llm.cpu_kernels import Linear, kernels_on, linear, rope, rope_inv_freq, swiglu
 from tiny_llm.moe import SparseMoeBlock
 
 import mlx.core as mx
@@ -179,8 +179,11 @@ class RoPE(nn.Module):
         linear = (scaling.get("rope_type") or scaling.get("type")) == "linear"
         self.scale = 1.0 / scaling["factor"] if linear else 1.0
         self._freqs = rope_frequencies(config)
+        self._inv_freq = rope_inv_freq(self.dims, self.base, self._freqs)
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        if kernels_on(x):  # the extension's one op (cpu_kernels.py says why)
+            return rope(x, positions, self._inv_freq, self.dims, self.traditional, self.scale)
         # x: [T, H, D]. mx.fast.rope rotates along axis -2 starting at a per-batch offset,
         # so each token becomes its own batch entry of length 1 at offset = its position.
         T, H, D = x.shape
@@ -237,7 +240,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up) if kernels_on(gate) else nn.silu(gate) * up)
 
 
 # ANCHOR: feed_forward

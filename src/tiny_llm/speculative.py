@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiny_llm.cpu_kernels import kernel_forward
 from tiny_llm.day3_paged_kv import (
     BlockSpace,
     PagedKVSpace,
@@ -40,7 +41,6 @@ from tiny_llm.day3_paged_kv import (
     pool_pages,
 )
 from tiny_llm.day5_paged_flash import FlashAttention
-from tiny_llm.linear import decode_rows
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams, filter_logits
 from tiny_llm.step import ScheduledChunk, StepBatch
@@ -169,8 +169,9 @@ class DraftModelProposer:
     the request's own parameters and generator, over its own paged KV pool (its own block
     tables: the request objects are its keys as they are the target's)."""
 
-    def __init__(self, model, page_size: int, num_pages: int):
+    def __init__(self, model, page_size: int, num_pages: int, cpu_kernels: bool = True):
         self.model = model
+        self.cpu_kernels = cpu_kernels  # the engine's option (cpu_kernels.py)
         self.kv = PagedKVSpace(model.config, num_pages, page_size, False, model.dtype)
         self.attention = FlashAttention(self.kv)
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
@@ -193,7 +194,7 @@ class DraftModelProposer:
                                      for i, c in zip(active, chunks, strict=True)],
                                     _Keyed(self.kv, chunks))
             self.attention.begin_step(batch)
-            with decode_rows(batch.decode_rows):
+            with kernel_forward(batch.decode_rows, enabled=self.cpu_kernels):
                 logits = self.model(batch.token_ids, batch.positions, self.attention,
                                     batch.logit_rows)
             mx.eval(logits, self.attention.state())
@@ -336,7 +337,8 @@ class SpeculativeDecoding:
 
 
 def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
-                        max_model_len: int, max_num_seqs: int) -> DraftModelProposer:
+                        max_model_len: int, max_num_seqs: int,
+                        cpu_kernels: bool = True) -> DraftModelProposer:
     """A draft proposer for ``draft`` (a path, hub id or model), refused with a clear error
     unless it shares the target's tokenizer."""
     from tiny_llm.loader import load
@@ -353,4 +355,4 @@ def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
         raise ValueError("the draft model's tokenizer encodes text differently from the target's")
     pages = pool_pages(draft_model.config, draft_model.dtype, page_size, max_model_len,
                        max_num_seqs)
-    return DraftModelProposer(draft_model, page_size, pages)
+    return DraftModelProposer(draft_model, page_size, pages, cpu_kernels)

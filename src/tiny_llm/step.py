@@ -10,7 +10,7 @@ once, and everything downstream reads that one object:
 - ``context_lens [B]``: tokens of sequence b once the step is done (its chunk's ``end``);
 - ``decode_rows``: how many leading rows are sequences of one row (decodes, which every
   scheduler places first): the linear layers send them through the extension's matmul
-  (``tiny_llm/linear.py``);
+  (``tiny_llm/cpu_kernels.py``);
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
   with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
   there (``num_logits``);

@@ -1,0 +1,52 @@
+// The model's elementwise layers on the CPU (see cpu_layers.h).
+#include "cpu_layers.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "worker_pool.h"
+
+namespace tiny_llm {
+
+void rope_cpu(const float* x, const int32_t* positions, const float* inv_freq, float* out,
+              const RopeShape& g) {
+  const int half = g.dims / 2;
+  const int64_t row_size = g.heads * g.head_dim;
+  // The pair (a, b) of pair i: interleaved, or one element from each half.
+  const int first_step = g.traditional ? 2 : 1;
+  const int second_offset = g.traditional ? 1 : half;
+  parallel_for(static_cast<int>(g.rows), 20.0 * row_size, [&](int t) {
+    std::vector<float> cos_t(half), sin_t(half);
+    const float position = static_cast<float>(positions[t]) * g.scale;
+    for (int i = 0; i < half; ++i) {
+      const float theta = position * inv_freq[i];
+      cos_t[i] = std::cos(theta);
+      sin_t[i] = std::sin(theta);
+    }
+    const float* src = x + t * row_size;
+    float* dst = out + t * row_size;
+    for (int64_t h = 0; h < g.heads; ++h) {
+      const float* xs = src + h * g.head_dim;
+      float* ys = dst + h * g.head_dim;
+      for (int i = 0; i < half; ++i) {
+        const int a = i * first_step, b = a + second_offset;
+        ys[a] = xs[a] * cos_t[i] - xs[b] * sin_t[i];
+        ys[b] = xs[a] * sin_t[i] + xs[b] * cos_t[i];
+      }
+      if (g.dims < g.head_dim)
+        std::memcpy(ys + g.dims, xs + g.dims, (g.head_dim - g.dims) * sizeof(float));
+    }
+  });
+}
+
+void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, int64_t cols) {
+  parallel_for(static_cast<int>(rows), 20.0 * cols, [&](int r) {
+    const float* g = gate + r * cols;
+    const float* u = up + r * cols;
+    float* y = out + r * cols;
+    for (int64_t i = 0; i < cols; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  });
+}
+
+}  // namespace tiny_llm

@@ -1,0 +1,129 @@
+"""The model's CPU kernels from the extension: the matmuls of an engine step, RoPE, SwiGLU.
+
+**Decode rows.** A decode step multiplies a few rows (one per running request) by every
+weight matrix of the model. OpenBLAS packs each weight panel before it multiplies, so at
+small M it reads and writes the weights more than once per call and runs at a fraction of
+the memory bandwidth. The extension's ``linear`` (``src/extensions/cpu_linear.cpp``)
+reads each weight row once for all the rows of the call, on the worker pool's threads,
+and defines every output element as one dot product whose order depends on nothing but
+K: a row's result is the same bits alone or next to any other rows.
+
+**Prefill rows** are compute-bound, and there OpenBLAS's packed GEMM is faster than that
+kernel. It runs on one thread (``blas.py``: its own threads collapse beside a busy
+neighbour), so ``linear(..., blas=True)`` calls it on blocks of weight rows spread over
+the worker pool instead: both cores, and a block goes to whichever thread is free.
+
+Which rows take which is decided per step, not per call: the engine runs its forward
+inside ``kernel_forward(n)``, ``n`` being the step's leading single-row sequences
+(decodes: every scheduler places them first). Every linear layer sends those ``n`` rows to
+the decode kernel and the rest (prefill chunks, speculative verification) to the split
+BLAS (on Linux; elsewhere MLX's matmul). A request's decode rows therefore take the same
+kernel whether it runs alone or in any batch. Outside ``kernel_forward`` (tests, oracles,
+the reference ``generate``, an engine with ``cpu_kernels=False``) the model runs on MLX's
+ops alone, as it does on GPU streams (the Mac path: MLX's Metal matmul and rope) and in
+dtypes other than float32.
+
+**Elementwise layers.** MLX's CPU rope with a position per row (the flat batch's case)
+runs as a chain of about a dozen ops, which made it the costliest op of a decode step
+after the matmuls; and its CPU ``exp`` is slow enough that SiLU over a step's MLP rows
+costs more than the matmul next to it at large batches. The extension has each as one op
+(``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as ``mx.fast.rope``
+(``theta = (position * scale) * inv_freq``, ``inv_freq`` from ``rope_inv_freq``), and
+``swiglu`` is ``silu(gate) * up``. Inside ``kernel_forward`` they serve every CPU float32
+row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import math
+import warnings
+from collections.abc import Iterator
+from types import ModuleType
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Inside kernel_forward: the step's decode rows; outside: None (MLX's ops alone).
+_decode_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_rows",
+                                                                        default=None)
+
+
+# ANCHOR: kernel_forward
+@contextlib.contextmanager
+def kernel_forward(decode_rows: int, enabled: bool = True) -> Iterator[None]:
+    """An engine step's forward. With ``enabled``, the model's CPU ops take the extension's
+    kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
+    logits) belong to single-row sequences."""
+    token = _decode_rows.set(decode_rows if enabled else None)
+    try:
+        yield
+    finally:
+        _decode_rows.reset(token)
+
+
+def kernels_on(*arrays: mx.array) -> bool:
+    """Whether ops on these inputs take the extension's kernels: inside ``kernel_forward``,
+    on a CPU stream, in float32, with the extension built."""
+    return (_decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
+            and mx.default_device().type == mx.DeviceType.cpu and native() is not None)
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T``; in a step, decode rows by the decode kernel, the rest by split BLAS."""
+    if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, weight):
+        return x @ weight.T
+    ext, n = native(), min(_decode_rows.get(), x.shape[0])
+    parts = [ext.linear(x[:n], weight)] if n else []
+    if n < x.shape[0]:
+        rest = x[n:] if n else x
+        parts.append(ext.linear(rest, weight, blas=True) if ext.has_blas_split
+                     else rest @ weight.T)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+# ANCHOR_END: kernel_forward
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    # The reference extension, also when a learner's copy serves the attention kernels:
+    # this matmul is not a course task.
+    try:
+        return importlib.import_module("tiny_llm._native._ext")
+    except ImportError as e:
+        warnings.warn(f"tiny_llm: the kernel extension is not built (run `make setup`); the "
+                      f"model's CPU ops use MLX's instead (decode matmul, RoPE) — {e}",
+                      stacklevel=3)
+        return None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linear``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = linear(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+# ANCHOR: rope
+def rope_inv_freq(dims: int, base: float, freqs: mx.array | None) -> mx.array:
+    """Per-pair inverse frequencies, as ``mx.fast.rope`` computes them from ``base`` (or
+    the reciprocal of ``freqs``, a checkpoint's rescaled frequencies)."""
+    if freqs is not None:
+        return mx.reciprocal(freqs.astype(mx.float32))
+    half = dims // 2
+    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
+
+
+def rope(x: mx.array, positions: mx.array, inv_freq: mx.array, dims: int, traditional: bool,
+         scale: float) -> mx.array:
+    """RoPE of ``x [T, H, D]``, row t at ``positions[t]``, by the extension's one op."""
+    return native().rope(x, positions.astype(mx.int32), inv_freq, dims, traditional, scale)
+# ANCHOR_END: rope
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` by the extension's one op."""
+    return native().swiglu(gate, up)

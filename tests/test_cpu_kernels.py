@@ -1,0 +1,277 @@
+"""The model's CPU kernels: the extension's ``linear`` and ``rope``, and the routing of
+``tiny_llm/cpu_kernels.py``.
+
+- ``linear(x, w)`` is ``x @ w.T`` against a float64 oracle for every tile remainder (M and
+  N not multiples of the tile, K not a multiple of 8, K = 1);
+- a row's result is the same bits whatever other rows share the call, in any order, and
+  wherever in memory the weights and rows start (the kernel aligns its loads to the
+  weights' address, which must not change a result);
+- strided inputs are read correctly, bad input is refused with a clear error;
+- ``linear(..., blas=True)`` (MLX's BLAS split over the worker pool) against the oracle;
+- under ``kernel_forward(n)`` exactly the first ``n`` rows of every linear layer (and of the
+  tied vocabulary projection) go to the decode kernel, the rest to the split BLAS;
+  outside it, none;
+- ``StepBatch.decode_rows`` counts the leading single-row sequences of a step;
+- ``rope`` matches ``mx.fast.rope`` in both layouts, with partial rotation, a linear
+  position scale and a checkpoint's own frequencies, at positions up to 100k;
+- ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                                reason="the kernel serves CPU streams")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from tiny_llm import cpu_kernels
+
+    module = cpu_kernels.native()
+    assert module is not None, "the extension must be built for the tests (make setup)"
+    return module
+
+
+def oracle(x: mx.array, w: mx.array) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+
+
+SHAPES = [(1, 1, 1), (1, 3, 8), (2, 5, 9), (3, 7, 16), (4, 4, 64), (5, 10, 100), (7, 13, 576),
+          (65, 37, 33), (130, 300, 64)]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_matches_float64_oracle(ext, m, n, k):
+    x = mx.random.normal((m, k), key=mx.random.key(m))
+    w = mx.random.normal((n, k), key=mx.random.key(n + 1000))
+    got = np.asarray(ext.linear(x, w))
+    want = oracle(x, w)
+    bound = 4e-7 * k * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T) + 1e-30
+    assert got.shape == (m, n)
+    assert np.all(np.abs(got - want) <= bound)
+
+
+def test_a_row_does_not_depend_on_the_other_rows(ext):
+    k, n = 200, 70  # K % 8 == 0 and != 0 in the next test; several tiles of each shape
+    x = mx.random.normal((37, k), key=mx.random.key(1))
+    w = mx.random.normal((n, k), key=mx.random.key(2))
+    full = np.asarray(ext.linear(x, w))
+    for i in range(37):
+        assert np.array_equal(np.asarray(ext.linear(x[i:i + 1], w))[0], full[i])
+    rng = np.random.default_rng(0)
+    for size in (2, 3, 5, 9, 36):
+        rows = rng.choice(37, size=size, replace=False)
+        got = np.asarray(ext.linear(x[mx.array(rows)], w))
+        assert np.array_equal(got, full[rows])
+
+
+def shifted_copies(values: mx.array, count: int = 8) -> list[mx.array]:
+    """``count`` views of the same values in one buffer, each starting one float further
+    past a 32-byte boundary than the one before (modulo 8 floats)."""
+    n = values.size
+    pad = (1 - n) % 8 or 8  # every copy takes 1 (mod 8) floats
+    flat = mx.concatenate([values.reshape(-1), mx.zeros((pad,))] * count)
+    mx.eval(flat)
+    return [flat[i * (n + pad):i * (n + pad) + n].reshape(values.shape) for i in range(count)]
+
+
+def address(a: mx.array) -> int:
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("k", [96, 99])
+def test_a_result_does_not_depend_on_where_the_buffers_start(ext, k):
+    x = mx.random.normal((6, k), key=mx.random.key(3))
+    w = mx.random.normal((11, k), key=mx.random.key(4))
+    expected = np.asarray(ext.linear(x, w))
+    weights, rows = shifted_copies(w), shifted_copies(x, 3)
+    assert len({address(v) % 32 for v in weights}) == 8, "every 4-byte offset of the weights"
+    for ws in weights:
+        for xs in rows:
+            assert np.array_equal(np.asarray(ext.linear(xs, ws)), expected)
+
+
+def test_strided_inputs(ext):
+    x = mx.random.normal((40, 5), key=mx.random.key(5)).T  # [5, 40], column-major
+    w = mx.random.normal((40, 9), key=mx.random.key(6)).T  # [9, 40]
+    got = np.asarray(ext.linear(x, w))
+    np.testing.assert_allclose(got, oracle(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused(ext):
+    x, w = mx.zeros((2, 8)), mx.zeros((3, 8))
+    with pytest.raises(ValueError, match="float32"):
+        ext.linear(x.astype(mx.float16), w.astype(mx.float16))
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        ext.linear(x, mx.zeros((3, 7)))
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        ext.linear(mx.zeros((2, 2, 8)), w)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the split BLAS is Linux only")
+@pytest.mark.parametrize("m, n, k", [(1, 3, 8), (7, 13, 576), (65, 700, 33), (300, 1000, 64)])
+def test_split_blas_matches_float64_oracle(ext, m, n, k):
+    x = mx.random.normal((m, k), key=mx.random.key(m))
+    w = mx.random.normal((n, k), key=mx.random.key(n + 1000))
+    got = np.asarray(ext.linear(x, w, blas=True))
+    bound = 4e-7 * k * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T) + 1e-30
+    assert np.all(np.abs(got - oracle(x, w)) <= bound)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch, ext):
+    """(rows, blas) of every call into the extension's linear, (name, rows) of the others."""
+    from tiny_llm import cpu_kernels
+
+    calls: list[tuple[int, bool]] = []
+
+    class Spy:
+        @staticmethod
+        def linear(x, w, blas=False):
+            calls.append((x.shape[0], blas))
+            return ext.linear(x, w, blas=blas)
+
+        @staticmethod
+        def rope(x, *args):
+            calls.append(("rope", x.shape[0]))
+            return ext.rope(x, *args)
+
+        @staticmethod
+        def swiglu(gate, up):
+            calls.append(("swiglu", gate.shape[0]))
+            return ext.swiglu(gate, up)
+
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+    spy = Spy()
+    monkeypatch.setattr(cpu_kernels, "native", lambda: spy)
+    return calls
+
+
+def test_decode_rows_take_the_decode_kernel_and_the_rest_split_blas(kernel_calls, ext):
+    from tiny_llm.cpu_kernels import Linear, kernel_forward
+
+    layer = Linear(24, 10, bias=True)
+    x = mx.random.normal((5, 24), key=mx.random.key(7))
+    plain = layer(x)
+    assert kernel_calls == []
+    with kernel_forward(2):
+        routed = layer(x)
+    assert kernel_calls == [(2, False), (3, True)]
+    want = np.concatenate([np.asarray(ext.linear(x[:2], layer.weight) + layer.bias),
+                           np.asarray(ext.linear(x[2:], layer.weight, blas=True) + layer.bias)])
+    assert np.array_equal(np.asarray(routed), want)
+    np.testing.assert_allclose(np.asarray(routed), np.asarray(plain), rtol=1e-5, atol=1e-6)
+    kernel_calls.clear()
+    with kernel_forward(9):  # more than the rows: all of them
+        layer(x)
+    with kernel_forward(0):  # a prefill-only step
+        layer(x)
+    assert kernel_calls == [(5, False), (5, True)]
+
+
+def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, tiny_model):
+    from tiny_llm.cpu_kernels import kernel_forward
+    from tiny_llm.kv_cache import DenseKVCache
+
+    cache = DenseKVCache(tiny_model.config.num_hidden_layers)
+    tiny_model(mx.array([5, 9], dtype=mx.int32), mx.array([0, 1]), cache)
+    with kernel_forward(1, enabled=False):
+        tiny_model(mx.array([6], dtype=mx.int32), mx.array([2]), cache)
+    assert kernel_calls == []
+    with kernel_forward(1):
+        tiny_model(mx.array([7], dtype=mx.int32), mx.array([3]), cache)
+    # q k v, rope q k, o, gate up, swiglu, down
+    layer = [(1, False)] * 3 + [("rope", 1)] * 2 + [(1, False)] * 3 + [("swiglu", 1), (1, False)]
+    assert kernel_calls == layer * tiny_model.config.num_hidden_layers + [(1, False)]
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_the_engine_option_turns_the_kernels_on_and_off(kernel_calls, tiny_model,
+                                                        smollm_tokenizer, cpu_kernels):
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.sampling import SamplingParams
+
+    engine = LLMEngine(tiny_model, smollm_tokenizer, cpu_kernels=cpu_kernels, num_pages=16)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, params)
+    engine.add_request({"prompt_token_ids": [8, 9, 10, 11]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    if not cpu_kernels:
+        assert kernel_calls == []
+    else:  # prefill rows by the split BLAS, decodes (2 rows per step) by the decode kernel
+        assert (7, True) in kernel_calls and (2, False) in kernel_calls
+        assert all(rows in (2, 7, "rope", "swiglu") for rows, _ in kernel_calls)
+
+
+def test_step_batch_counts_the_leading_single_row_sequences():
+    from tiny_llm.step import ScheduledChunk, StepBatch
+
+    class Seq:  # what StepBatch.build reads of a request
+        num_tokens, spec_token_ids = 8, []
+
+        def token_ids_between(self, start, end):
+            return list(range(start, end))
+
+    class NoKV:
+        def layout(self, chunks):
+            return {}
+
+    sizes = [(7, 8), (7, 8), (0, 5), (7, 8)]  # two decodes, a prefill chunk, a decode
+    chunks = [ScheduledChunk(Seq(), s, e) for s, e in sizes]
+    assert StepBatch.build(chunks, NoKV()).decode_rows == 2
+    assert StepBatch.build(chunks[2:], NoKV()).decode_rows == 0
+    assert StepBatch.build(chunks[:2], NoKV()).decode_rows == 2
+
+
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("dims, head_dim", [(64, 64), (16, 32)])
+@pytest.mark.parametrize("scale, freqs", [(1.0, None), (0.25, None), (1.0, "custom")])
+def test_rope_matches_mlx(ext, traditional, dims, head_dim, scale, freqs):
+    from tiny_llm.cpu_kernels import rope, rope_inv_freq
+
+    positions = mx.array([0, 1, 7, 300, 4095, 100_000, 5], dtype=mx.int32)
+    x = mx.random.normal((7, 3, head_dim), key=mx.random.key(8))
+    base = 10000.0
+    if freqs == "custom":  # what llama3 rope scaling hands mx.fast.rope
+        freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims) * 1.7
+    got = rope(x, positions, rope_inv_freq(dims, base, freqs), dims, traditional, scale)
+    want = mx.fast.rope(x.reshape(7, 3, 1, head_dim), dims, traditional=traditional,
+                        base=None if freqs is not None else base, scale=scale,
+                        offset=positions, freqs=freqs).reshape(x.shape)
+    assert abs(got - want).max().item() <= 2e-5
+    assert abs(got - x).max().item() > 0.1  # it rotated something
+    if dims < head_dim:
+        assert np.array_equal(np.asarray(got[..., dims:]), np.asarray(x[..., dims:]))
+
+
+def test_rope_refuses_bad_input(ext):
+    x, pos, inv = mx.zeros((2, 1, 8)), mx.zeros((2,), dtype=mx.int32), mx.ones((4,))
+    with pytest.raises(ValueError, match="positions"):
+        ext.rope(x, pos[:1], inv, 8, False, 1.0)
+    with pytest.raises(ValueError, match="dims"):
+        ext.rope(x, pos, inv, 10, False, 1.0)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ext.rope(x, pos, mx.ones((3,)), 8, False, 1.0)
+
+
+def test_swiglu_matches_mlx(ext):
+    import mlx.nn as nn
+
+    gate = mx.concatenate([mx.random.normal((5, 33), key=mx.random.key(9)) * 4,
+                           mx.array([[-200.0, -90.0, -1e-6, 0.0, 1e-6, 90.0, 200.0] * 4
+                                     + [3.0] * 5])])
+    up = mx.random.normal(gate.shape, key=mx.random.key(10))
+    got, want = ext.swiglu(gate, up), nn.silu(gate) * up
+    assert mx.all(mx.isfinite(got)).item()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one shape"):
+        ext.swiglu(gate, up[:2])
