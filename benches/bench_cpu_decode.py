@@ -45,6 +45,7 @@ import sys
 import time
 from typing import Any
 
+from tiny_llm.blas import openblas_threads
 from tiny_llm.engine import LLMEngine
 
 import mlx.core as mx
@@ -57,7 +58,6 @@ from common import (
     copy_bandwidth,
     greedy,
     load_model,
-    openblas_threads,
     save_results,
 )
 from mlx.utils import tree_flatten

@@ -18,9 +18,11 @@ it, each alone in turn, the order rotated every round (``--rounds``, default 3; 
 Reported: wall time from the first step to the last token, output tok/s, and for the
 engines the split between steps that prefill (any prompt token in the step) and decode-only
 steps (count, seconds, tokens per second, rows per step). The compute bound is the
-workload's matmul flops (``2 x matmul weights x (prompt + output tokens)``; attention's
-few flops left out) at the best float32 GEMM rate measured in the run (a 1024^3 product
-by OpenBLAS split over every core). Greedy tokens are compared request by request.
+workload's matmul flops at the best float32 GEMM rate measured in the run (a 1024^3
+product by OpenBLAS split over every core): 2 flops per weight of every linear layer for
+each prompt and output token, and of the vocabulary projection for each output token (the
+only rows whose logits are needed); attention's few flops are left out. Greedy tokens are
+compared request by request.
 
     python benches/bench_cpu_speed.py          # about 15 minutes on 2 cores
     python benches/bench_cpu_speed.py --quick  # tiny random model, writes *_quick.*
@@ -116,11 +118,11 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
         rows=rows, formats=["", ".1f", ".1f", ".2f", ".2f", ""],
         note=(f"{data['requests']} requests at once, {data['prompt_tokens']} prompt and "
               f"{data['output_tokens']} output tokens (greedy, ignore_eos); default engine. "
-              f"Compute bound: {data['matmul_params'] / 1e6:.0f}M matmul weights x 2 flops x "
-              f"{data['prompt_tokens'] + data['output_tokens']} tokens at "
-              f"{data['gemm_all_cores_GFLOPs']:.1f} GFLOP/s (a 1024^3 float32 product, "
-              f"OpenBLAS split over every core) = {data['compute_bound_s']:.1f} s. Medians of "
-              f"{data['rounds']} rounds; x mlx-lm is the ratio of medians."),
+              f"Compute bound: the workload's {data['matmul_TFLOP']:.2f} TFLOP of matmuls "
+              f"(every token through the linear layers, output tokens through the vocabulary "
+              f"projection) at {data['gemm_all_cores_GFLOPs']:.1f} GFLOP/s (a 1024^3 float32 "
+              f"product, OpenBLAS split over every core) = {data['compute_bound_s']:.1f} s. "
+              f"Medians of {data['rounds']} rounds; x mlx-lm is the ratio of medians."),
     )
     phases = Table(
         title="Where the engines' time goes: steps with prefill and decode-only steps",
@@ -199,11 +201,13 @@ def main() -> None:
         res[label]["same_tokens"] = sum(
             a == b for a, b in zip(rounds[label][0]["tokens"], reference, strict=True))
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(outputs)
-    flops = 2 * matmul_params(model) * (prompt_tokens + output_tokens)
+    head = model.config.vocab_size * model.config.hidden_size
+    flops = 2 * ((matmul_params(model) - head) * (prompt_tokens + output_tokens)
+                 + head * output_tokens)
     data = {
         "model": model_name, "rounds": args.rounds, "requests": len(prompts),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "matmul_params": matmul_params(model), "gemm_all_cores_GFLOPs": rate / 1e9,
+        "matmul_TFLOP": flops / 1e12, "gemm_all_cores_GFLOPs": rate / 1e9,
         "compute_bound_s": flops / rate, "results": res,
         "kernels_x_mlx_ops": res["kernels"]["tok_per_s"] / res["MLX ops"]["tok_per_s"],
         "kernels_x_mlx_lm": res["kernels"]["tok_per_s"] / res[MLX_LM]["tok_per_s"],

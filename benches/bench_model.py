@@ -69,6 +69,8 @@ import sys
 import time
 from typing import Any
 
+from tiny_llm.blas import openblas_threads
+
 import numpy as np
 from common import (
     Table,
@@ -76,7 +78,6 @@ from common import (
     copy_bandwidth,
     greedy,
     mlx_lm_model,
-    openblas_threads,
     percentile,
     save_results,
     spread,

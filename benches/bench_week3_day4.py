@@ -70,6 +70,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tiny_llm.blas import openblas_threads
 from tiny_llm.day3_paged_kv import PagePool, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import (
     paged_attention,
@@ -87,7 +88,6 @@ from common import (
     bench_parser,
     greedy,
     load_model,
-    openblas_threads,
     save_results,
     spread,
     with_threads,

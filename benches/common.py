@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -47,7 +46,7 @@ if "--learner" in sys.argv:
 
 # tiny_llm interposes OpenBLAS on import; mlx.core is imported after it, inside functions,
 # so that no import sorting can ever put MLX first.
-from tiny_llm.blas import openblas_loaded  # noqa: E402
+from tiny_llm.blas import openblas_loaded, openblas_threads  # noqa: E402
 from tiny_llm.sampling import SamplingParams  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -139,19 +138,6 @@ def lap(timings: dict[str, float], name: str, since: float) -> float:
 
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
-
-
-# ---------------------------------------------------------------- OpenBLAS threads
-
-
-def openblas_threads() -> int | None:
-    """OpenBLAS's thread count, if the shim (and so scipy-openblas32) is loaded."""
-    if not openblas_loaded():
-        return None
-    try:
-        return ctypes.CDLL(None).scipy_openblas_get_num_threads()
-    except AttributeError:
-        return None
 
 
 # ---------------------------------------------------------------- models

@@ -60,3 +60,13 @@ def load_openblas() -> bool:
 
 def openblas_loaded() -> bool:
     return _state.get("loaded", False)
+
+
+def openblas_threads() -> int | None:
+    """OpenBLAS's thread count, if the shim (and so scipy-openblas32) is loaded."""
+    if not openblas_loaded():
+        return None
+    try:
+        return ctypes.CDLL(None).scipy_openblas_get_num_threads()
+    except AttributeError:
+        return None

@@ -11,7 +11,9 @@ K: a row's result is the same bits alone or next to any other rows.
 **Prefill rows** are compute-bound, and there OpenBLAS's packed GEMM is faster than that
 kernel. It runs on one thread (``blas.py``: its own threads collapse beside a busy
 neighbour), so ``linear(..., blas=True)`` calls it on blocks of weight rows spread over
-the worker pool instead: both cores, and a block goes to whichever thread is free.
+the worker pool instead: both cores, and a block goes to whichever thread is free. Where
+you have given OpenBLAS threads of its own (``OPENBLAS_NUM_THREADS`` above 1), prefill
+rows take MLX's matmul and those threads, not both at once.
 
 Which rows take which is decided per step, not per call: the engine runs its forward
 inside ``kernel_forward(n)``, ``n`` being the step's leading single-row sequences
@@ -43,6 +45,8 @@ import math
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
+
+from tiny_llm.blas import openblas_threads
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,8 +84,7 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     parts = [ext.linear(x[:n], weight)] if n else []
     if n < x.shape[0]:
         rest = x[n:] if n else x
-        parts.append(ext.linear(rest, weight, blas=True) if ext.has_blas_split
-                     else rest @ weight.T)
+        parts.append(ext.linear(rest, weight, blas=True) if split_blas() else rest @ weight.T)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 # ANCHOR_END: kernel_forward
 
@@ -97,6 +100,13 @@ def native() -> ModuleType | None:
                       f"model's CPU ops use MLX's instead (decode matmul, RoPE) — {e}",
                       stacklevel=3)
         return None
+
+
+@functools.cache
+def split_blas() -> bool:
+    """Whether prefill rows take the split BLAS: on Linux, with OpenBLAS on one thread (or
+    the mlx wheel's reference BLAS, which has no threads)."""
+    return native().has_blas_split and openblas_threads() in (None, 1)
 
 
 class Linear(nn.Linear):
