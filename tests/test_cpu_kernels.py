@@ -280,3 +280,15 @@ def test_swiglu_matches_mlx(ext):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
     with pytest.raises(ValueError, match="one shape"):
         ext.swiglu(gate, up[:2])
+
+
+def test_the_command_line_turns_the_kernels_off():
+    from tiny_llm.cli import build_parser, engine_options
+    from tiny_llm.engine import EngineConfig
+
+    parse = build_parser().parse_args
+    assert "cpu_kernels" not in engine_options(parse(["generate", "--prompt", "hi"]))
+    off = engine_options(parse(["generate", "--prompt", "hi", "--no-cpu-kernels"]))
+    assert off == {"cpu_kernels": False} and EngineConfig().cpu_kernels
+    with pytest.raises(TypeError, match="cpu_kernels"):
+        EngineConfig(cpu_kernels="yes")

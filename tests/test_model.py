@@ -2,8 +2,10 @@
 
 Every test builds a tiny random model of one family, gives mlx-lm's class of the same
 family exactly the same weights (parameter names are shared), and compares logits: over a
-40-token prompt in one forward, over decode steps with each side's own KV cache, with
-quantized weights, in chunks, with RoPE scaling and in half precision. Weights are scaled
+40-token prompt in one forward, over decode steps with each side's own KV cache (on MLX's
+ops, and again with the engine's CPU kernels: the decode matmul, RoPE and SwiGLU of
+``cpu_kernels.py``), with quantized weights, in chunks, with RoPE scaling and in half
+precision. Weights are scaled
 so that logits spread over several units (asserted), so a wrong detail cannot hide in
 near-constant outputs.
 """

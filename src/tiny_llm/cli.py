@@ -91,6 +91,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         action="store_false", default=None, help="prefill prompts whole")
     engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", default=None, help="never share pages")
+    engine.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                        default=None, help="on a CPU, run the model on MLX's ops alone")
     engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
     p.add_argument("--learner", action="store_true",
                    help="run on your workspace's modules (the course), else the reference")
