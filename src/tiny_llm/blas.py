@@ -8,10 +8,11 @@ goes through OpenBLAS (a 512-token prefill about 21x faster on the development m
 ``benches/bench_model.py``).
 
 OpenBLAS runs on one thread unless ``OPENBLAS_NUM_THREADS`` says otherwise. Its worker
-threads spin while they wait for each other: on a quiet 2-core machine two threads are
-1.2-1.3x faster, but with another process busy on one core they fall to 0.53-0.59x of one
-thread, which loses only 5-8% (``benches/bench_blas_threads.py``). One thread is the
-default that never collapses.
+threads spin while they wait for each other: on a quiet 2-core machine two threads make
+one request 1.16-1.24x faster, but with another process busy on one core they fall to
+0.55-0.58x of one thread, which loses at most 9% (``benches/bench_blas_threads.py``). One
+thread is the default that never collapses; the engine runs it on every core through the
+extension's thread pool instead (``cpu_kernels.py``).
 
 Invariant: ``load_openblas()`` runs before the first ``import mlx.core`` in the process;
 ``tiny_llm/__init__.py`` calls it first thing.
