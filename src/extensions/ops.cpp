@@ -142,6 +142,19 @@ void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
   throw std::runtime_error("PagedKVWrite: GPU streams use MLX's scatter with buffer donation");
 }
 
+namespace {
+
+// The start of every eval_cpu below, as PagedAttention::eval_cpu spells it out: allocate
+// the output now, hand the arrays to the stream's encoder, and return the encoder.
+mx::cpu::CommandEncoder& begin_cpu_eval(const mx::Stream& stream,
+                                        const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  return enc;
+}
+
 // `a` itself when it is row-major, else a row-major copy made on the stream (a temporary
 // of the encoder: it lives until the kernel that reads it has run).
 mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
@@ -156,13 +169,12 @@ mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
   return copy;
 }
 
+}  // namespace
+
 // ANCHOR: cpu_linear_eval
 void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_cpu_eval(stream(), inputs, out);
   const auto x = row_major(inputs[0], enc);
   const auto w = row_major(inputs[1], enc);
   enc.dispatch([x = x.data<float>(), w = w.data<float>(), y = out.data<float>(),
@@ -182,10 +194,7 @@ void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_cpu_eval(stream(), inputs, out);
   const auto x = row_major(inputs[0], enc);
   const auto positions = row_major(inputs[1], enc);
   const auto inv_freq = row_major(inputs[2], enc);
@@ -202,10 +211,7 @@ void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto& enc = begin_cpu_eval(stream(), inputs, out);
   const auto gate = row_major(inputs[0], enc);
   const auto up = row_major(inputs[1], enc);
   const int64_t cols = gate.ndim() ? gate.shape(-1) : 1;
