@@ -11,7 +11,7 @@
 - under ``kernel_forward(n)`` exactly the first ``n`` rows of every linear layer (and of the
   tied vocabulary projection) go to the decode kernel, the rest to the split BLAS;
   outside it, none;
-- ``StepBatch.decode_rows`` counts the leading single-row sequences of a step;
+- ``StepBatch.decode_rows`` counts the leading single-row sequences of a step that sample;
 - ``rope`` matches ``mx.fast.rope`` in both layouts, with partial rotation, a linear
   position scale and a checkpoint's own frequencies, at positions up to 100k;
 - ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows.
@@ -235,6 +235,11 @@ def test_step_batch_counts_the_leading_single_row_sequences():
     assert StepBatch.build(chunks, NoKV()).decode_rows == 2
     assert StepBatch.build(chunks[2:], NoKV()).decode_rows == 0
     assert StepBatch.build(chunks[:2], NoKV()).decode_rows == 2
+    # a one-token prefill chunk short of the prompt's end has no logit row: it ends the
+    # prefix, so the decode rows of the batch and of the logits stay the same rows
+    mid_prompt = ScheduledChunk(Seq(), 3, 4)
+    step = StepBatch.build([chunks[0], mid_prompt, chunks[1]], NoKV())
+    assert step.decode_rows == 1 and step.logit_rows.tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("traditional", [False, True], ids=["halves", "interleaved"])

@@ -8,9 +8,10 @@ once, and everything downstream reads that one object:
 - ``token_ids [T]`` and ``positions [T]``, the model's inputs;
 - ``query_start_loc [B + 1]``: sequence b owns rows ``query_start_loc[b] .. [b + 1] - 1``;
 - ``context_lens [B]``: tokens of sequence b once the step is done (its chunk's ``end``);
-- ``decode_rows``: how many leading rows are sequences of one row (decodes, which every
-  scheduler places first): the linear layers send them through the extension's matmul
-  (``tiny_llm/cpu_kernels.py``);
+- ``decode_rows``: how many leading sequences are one row that samples (decodes, which
+  every scheduler places first), so the first ``decode_rows`` rows of the batch and of
+  the logits are theirs: the linear layers send them through the extension's decode
+  matmul (``tiny_llm/cpu_kernels.py``);
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
   with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
   there (``num_logits``);
@@ -56,7 +57,7 @@ class StepBatch:
     logit_rows: mx.array  # int32 [R]: the rows whose logits the step needs
     sampling: list[Any]  # the requests that sample after this step ...
     num_logits: list[int]  # ... and how many of the logit rows are each one's (in order)
-    decode_rows: int  # the leading rows that are sequences of one row each
+    decode_rows: int  # the leading sequences of one row that samples (decodes)
     kv: dict[str, Any] = field(default_factory=dict)  # what the KV storage lays out
 
     @classmethod
@@ -77,6 +78,10 @@ class StepBatch:
                 logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
                 sampling.append(req)
                 num_logits.append(drafts + 1)
+        # The leading sequences of one row that samples: the first rows of the batch and
+        # of the logits alike.
+        decodes = next((i for i, c in enumerate(chunks)
+                        if c.num_tokens != 1 or c.end < c.request.num_tokens), len(chunks))
         return cls(
             chunks,
             mx.array(token_ids, dtype=mx.int32),
@@ -86,7 +91,7 @@ class StepBatch:
             mx.array(logit_rows, dtype=mx.int32),
             sampling,
             num_logits,
-            next((i for i, c in enumerate(chunks) if c.num_tokens != 1), len(chunks)),
+            decodes,
             kv_space.layout(chunks),
         )
 # ANCHOR_END: step_batch
