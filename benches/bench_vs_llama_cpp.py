@@ -1,0 +1,138 @@
+"""One request on the CPU: the engine next to llama.cpp on the same GGUF file.
+
+llama.cpp is what a Linux user would otherwise run a GGUF model with. It is not a
+dependency of this project: build its ``llama-bench`` tool once and pass its path. The
+llama.cpp sources ship inside the ``llama-cpp-python`` source package on PyPI:
+
+    pip download llama-cpp-python --no-deps --no-binary=:all: -d /tmp/llama
+    tar xzf /tmp/llama/llama_cpp_python-*.tar.gz -C /tmp/llama
+    cd /tmp/llama/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
+    cmake --build build -j2 --target llama-bench      # about 10 minutes on 2 cores
+
+Each round, in turn (``--rounds``, default 3; medians):
+
+- **llama.cpp**: ``llama-bench -m <the default GGUF> -p 512 -n 64 -t <cores>``: prompt
+  processing of 512 tokens and generation of 64, with the file's own weights (Q4_1 linear
+  layers, a Q8_0 embedding: about 92 MB read per token) on every core;
+- **the engine**: the default engine on the same file (dequantized to float32 on the CPU,
+  538 MB per token), one request: a 512-token prompt, then 64 new tokens, greedy. Prefill
+  tok/s = 512 / the prompt's step time; decode tok/s = 63 / the time of the other steps.
+
+Both use every core; the weights are the same numbers in two formats, so the table gives
+each side's bytes per token next to its speed.
+
+    python benches/bench_vs_llama_cpp.py --llama-bench PATH          # about 3 minutes
+    python benches/bench_vs_llama_cpp.py --llama-bench PATH --quick  # writes *_quick.*
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tiny_llm.engine import LLMEngine
+from tiny_llm.loader import default_model_path
+
+from bench_model import decode_bytes_per_token
+from common import Table, bench_parser, greedy, load_model, save_results, spread
+from mlx.utils import tree_flatten
+
+NAME = "bench_vs_llama_cpp"
+
+
+def run_llama_cpp(binary: Path, gguf: Path, prompt: int, new: int) -> dict[str, float]:
+    cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(new),
+           "-t", str(os.cpu_count()), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    tests = json.loads(out)
+    rates = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
+    size = tests[0]["model_size"]
+    return dict(prefill_tok_s=rates["prefill"], decode_tok_s=rates["decode"],
+                file_bytes=size)
+
+
+def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int
+               ) -> dict[str, float]:
+    rng = random.Random(seed)
+    engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, prompt),
+                       enable_prefix_caching=False)
+    tokens = [rng.randrange(100, model.config.vocab_size) for _ in range(prompt)]
+    engine.add_request({"prompt_token_ids": tokens}, greedy(new))
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return dict(prefill_tok_s=prompt / times[0], decode_tok_s=(new - 1) / sum(times[1:]))
+
+
+def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
+    rows = []
+    for label, key in (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine")):
+        r = res[key]
+        rows.append([label, r["bytes_per_token"] / 1e6, r["prefill_tok_s"], r["decode_tok_s"],
+                     r["prefill_tok_s"] / res["llama"]["prefill_tok_s"],
+                     r["decode_tok_s"] / res["llama"]["decode_tok_s"]])
+    return Table(
+        title=f"One request, {data['model']}: the engine and llama.cpp on the same GGUF file",
+        headers=["", "MB read per token", "prefill tok/s", "decode tok/s",
+                 "prefill / llama.cpp", "decode / llama.cpp"],
+        rows=rows, formats=["", ".0f", ".1f", ".1f", ".2f", ".2f"],
+        note=(f"A {data['prompt']}-token prompt, then {data['new']} new tokens, one request, "
+              f"{data['cores']} threads each. llama.cpp: llama-bench (pp{data['prompt']}, "
+              f"tg{data['new']}) with the file's weights; its MB per token is the file's size. "
+              "The engine: the defaults, weights dequantized to float32. Medians of "
+              f"{data['rounds']} rounds; ratios of medians."),
+    )
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--llama-bench", type=Path, required="--help" not in sys.argv,
+                    help="path of llama.cpp's llama-bench (see the docstring)")
+    args = ap.parse_args()
+    if not args.llama_bench.is_file():
+        raise SystemExit(f"{args.llama_bench} is not llama-bench; see how to build it with "
+                         "`python benches/bench_vs_llama_cpp.py --help`")
+    if args.quick and "--rounds" not in sys.argv:
+        args.rounds = 1
+    prompt, new = (64, 8) if args.quick else (512, 64)
+    model, tokenizer, model_name = load_model(False)  # the GGUF is llama.cpp's input too
+    gguf = default_model_path()
+    params = dict(tree_flatten(model.parameters()))
+    c = model.config
+    run_engine(model, tokenizer, 16, 2, seed=99)  # warmup
+    rounds: dict[str, list[dict[str, float]]] = {"llama": [], "engine": []}
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        for key in ("llama", "engine") if r % 2 == 0 else ("engine", "llama"):
+            out = (run_llama_cpp(args.llama_bench, gguf, prompt, new) if key == "llama"
+                   else run_engine(model, tokenizer, prompt, new, seed=r))
+            rounds[key].append(out)
+            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {key:6s} prefill "
+                  f"{out['prefill_tok_s']:7.1f} tok/s, decode {out['decode_tok_s']:6.1f} tok/s",
+                  flush=True)
+    res: dict[str, Any] = {}
+    for key, runs in rounds.items():
+        res[key] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+        res[key]["decode_rounds"] = spread([x["decode_tok_s"] for x in runs])
+    res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
+    res["engine"]["bytes_per_token"] = decode_bytes_per_token(params, c.vocab_size,
+                                                              c.tie_word_embeddings)
+    data = {"model": model_name, "gguf": gguf.name, "prompt": prompt, "new": new,
+            "cores": os.cpu_count(), "rounds": args.rounds, "results": res,
+            "wall_s": time.perf_counter() - t0}
+    save_results(NAME + ("_quick" if args.quick else ""), data, [make_table(res, data)],
+                 rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
