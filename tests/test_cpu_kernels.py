@@ -14,12 +14,18 @@
 - ``StepBatch.decode_rows`` counts the leading single-row sequences of a step that sample;
 - ``rope`` matches ``mx.fast.rope`` in both layouts, with partial rotation, a linear
   position scale and a checkpoint's own frequencies, at positions up to 100k;
-- ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows.
+- ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows;
+- the decode matmul built for AVX2 and built with plain-array lanes (what other CPUs
+  compile) gives the same bits.
 """
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -297,3 +303,45 @@ def test_the_command_line_turns_the_kernels_off():
     assert off == {"cpu_kernels": False} and EngineConfig().cpu_kernels
     with pytest.raises(TypeError, match="cpu_kernels"):
         EngineConfig(cpu_kernels="yes")
+
+
+# The harness below builds the decode matmul twice, with the AVX2 registers and with the
+# plain-array lanes that other CPUs (a Mac's NEON) compile to, and compares their bits: the
+# one definition of a dot product must not depend on which of the two computes it.
+LANES_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include "cpu_linear.h"
+extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, int,
+                            const float*, int, float, float*, int) { std::abort(); }
+int main(int argc, char** argv) {
+  const long M = atol(argv[1]), N = atol(argv[2]), K = atol(argv[3]), off = atol(argv[4]);
+  std::vector<float> x(M * K + 8), w(N * K + 8), y(M * N);
+  uint32_t s = 12345;
+  auto next = [&] { s = s * 1664525u + 1013904223u; return (s >> 8) / 16777216.0f - 0.5f; };
+  for (auto& v : x) v = next();
+  for (auto& v : w) v = next();
+  tiny_llm::linear_cpu(x.data() + off, w.data() + 3 * off % 8, y.data(), M, N, K);
+  fwrite(y.data(), sizeof(float), y.size(), stdout);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86_64")
+def test_generic_lanes_give_the_avx2_bits(tmp_path):
+    src = Path(__file__).resolve().parent.parent / "src" / "extensions"
+    (tmp_path / "harness.cpp").write_text(LANES_HARNESS)
+    builds = {}
+    for name, flags in (("avx2", ["-mavx2", "-mfma"]), ("generic", ["-mno-avx2", "-mno-fma"])):
+        exe = tmp_path / name
+        subprocess.run(["g++", "-O2", "-std=c++17", *flags, f"-I{src}", "-o", str(exe),
+                        str(tmp_path / "harness.cpp"), str(src / "cpu_linear.cpp"),
+                        str(src / "worker_pool.cpp"), "-lpthread"], check=True)
+        builds[name] = exe
+    for m, n, k, off in [(1, 7, 64, 0), (5, 13, 576, 1), (9, 4, 99, 3), (70, 33, 40, 5)]:
+        outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(off)], check=True,
+                               capture_output=True).stdout for exe in builds.values()]
+        assert len(outs[0]) == 4 * m * n and outs[0] == outs[1], (m, n, k, off)
