@@ -89,7 +89,7 @@ struct Vec8 {
 // summed in a fixed tree. Where the vectors start is free (it only decides which register
 // lane holds which residue class, undone by the rotation before the sum), so they start
 // where the weight rows are 32-byte aligned: MLX's buffers are not, and a load that
-// straddles two cache lines costs twice. Nothing in the definition depends on M, on the
+// straddles two cache lines costs more. Nothing in the definition depends on M, on the
 // other rows, or on how the work is split.
 struct DotPlan {
   int64_t first;  // k of the first vector: may be negative (its lanes below 0 are empty)
