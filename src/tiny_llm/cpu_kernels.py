@@ -62,7 +62,9 @@ def kernel_forward(decode_rows: int, enabled: bool = True) -> Iterator[None]:
     """An engine step's forward. With ``enabled``, the model's CPU ops take the extension's
     kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
     logits) belong to single-row sequences."""
-    token = _decode_rows.set(decode_rows if enabled else None)
+    # Checked once per forward, not per layer: the device and the extension do not change.
+    on = enabled and mx.default_device().type == mx.DeviceType.cpu and native() is not None
+    token = _decode_rows.set(decode_rows if on else None)
     try:
         yield
     finally:
@@ -70,10 +72,9 @@ def kernel_forward(decode_rows: int, enabled: bool = True) -> Iterator[None]:
 
 
 def kernels_on(*arrays: mx.array) -> bool:
-    """Whether ops on these inputs take the extension's kernels: inside ``kernel_forward``,
-    on a CPU stream, in float32, with the extension built."""
-    return (_decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
-            and mx.default_device().type == mx.DeviceType.cpu and native() is not None)
+    """Whether ops on these inputs take the extension's kernels: inside ``kernel_forward``
+    on a CPU stream with the extension built, in float32."""
+    return _decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
 
 
 def linear(x: mx.array, weight: mx.array) -> mx.array:
@@ -130,7 +131,9 @@ def rope_inv_freq(dims: int, base: float, freqs: mx.array | None) -> mx.array:
 def rope(x: mx.array, positions: mx.array, inv_freq: mx.array, dims: int, traditional: bool,
          scale: float) -> mx.array:
     """RoPE of ``x [T, H, D]``, row t at ``positions[t]``, by the extension's one op."""
-    return native().rope(x, positions.astype(mx.int32), inv_freq, dims, traditional, scale)
+    if positions.dtype != mx.int32:
+        positions = positions.astype(mx.int32)
+    return native().rope(x, positions, inv_freq, dims, traditional, scale)
 # ANCHOR_END: rope
 
 
