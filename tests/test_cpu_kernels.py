@@ -345,3 +345,30 @@ def test_generic_lanes_give_the_avx2_bits(tmp_path):
         outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(off)], check=True,
                                capture_output=True).stdout for exe in builds.values()]
         assert len(outs[0]) == 4 * m * n and outs[0] == outs[1], (m, n, k, off)
+
+
+def test_a_model_built_on_one_thread_serves_on_another(smollm_tokenizer):
+    """The server builds the model on the main thread and steps the engine on its own:
+    nothing the model holds may be a lazy array of the main thread's stream."""
+    import threading
+
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.sampling import SamplingParams
+    from tiny_llm.testing.models import make_tiny_model
+
+    engine = LLMEngine(make_tiny_model(), smollm_tokenizer, num_pages=16)
+    engine.add_request({"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            failures.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join(timeout=120)
+    assert not failures, failures

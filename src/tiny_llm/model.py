@@ -180,6 +180,9 @@ class RoPE(nn.Module):
         self.scale = 1.0 / scaling["factor"] if linear else 1.0
         self._freqs = rope_frequencies(config)
         self._inv_freq = rope_inv_freq(self.dims, self.base, self._freqs)
+        # Computed now: a lazy array belongs to this thread's stream, and the engine may run
+        # the model on another thread (the server's), where that stream does not exist.
+        mx.eval(self._inv_freq, *([] if self._freqs is None else [self._freqs]))
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         if kernels_on(x):  # the extension's one op (cpu_kernels.py says why)
