@@ -241,7 +241,10 @@ def test_per_expert_loop_equals_the_gathered_matmul(bits):
     block.dispatch_mode = "gather"
     gathered = block(x)
     block.dispatch_mode = "loop"
-    np.testing.assert_allclose(np.array(block(x)), np.array(gathered), rtol=2e-5, atol=1e-5)
+    # Two float32 summation orders over 64 + 32 terms of size ~0.5: up to 2.3e-5 apart with
+    # scipy-openblas32 0.3.34.481.3 (1e-5 passed with earlier builds); a wrong expert or
+    # weight is ~0.1 off.
+    np.testing.assert_allclose(np.array(block(x)), np.array(gathered), rtol=2e-5, atol=5e-5)
     block.dispatch_mode = "fast"
     with pytest.raises(ValueError, match="dispatch_mode"):
         block(x)
