@@ -224,29 +224,41 @@ class GemmProbe:
     vocabulary projection at ``logit_rows`` rows, on fresh random inputs, as an engine step
     runs them: by MLX's matmul, or with ``decode_rows`` (an engine with ``cpu_kernels``) the
     first ``decode_rows`` rows by the extension's decode kernel and the rest by its split
-    BLAS (``tiny_llm/cpu_kernels.py``)."""
+    BLAS (``tiny_llm/cpu_kernels.py``), a layer's q, k and v (and gate and up) in one call."""
 
     def __init__(self, model: Model):
         import mlx.nn as nn
 
-        self.weights = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self.groups: list[list[Any]] = []  # weights multiplied in one call, as the model does
+        for block in model.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            self.groups += [[attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                            [attn.o_proj.weight]]
+            if hasattr(mlp, "gate_proj") and isinstance(mlp.gate_proj, nn.Linear):
+                self.groups += [[mlp.gate_proj.weight, mlp.up_proj.weight],
+                                [mlp.down_proj.weight]]
+            else:  # a sparse MoE block: its linear layers one by one
+                self.groups += [[m.weight] for _, m in mlp.named_modules()
+                                if isinstance(m, nn.Linear)]
         self.lm_head = model.model.embed_tokens.weight if model.config.tie_word_embeddings \
-            else None
+            else model.lm_head.weight
+
+    @property
+    def weights(self) -> list[Any]:
+        return [w for group in self.groups for w in group]
 
     def time(self, tokens: int, logit_rows: int, decode_rows: int | None = None) -> float:
-        from tiny_llm.cpu_kernels import kernel_forward, linear
+        from tiny_llm.cpu_kernels import kernel_forward, linear, linears
 
         import mlx.core as mx
 
         xs = {d: mx.random.normal((tokens, d)) for d in {w.shape[1] for w in self.weights}}
-        hidden = self.weights[0].shape[1] if self.lm_head is None else self.lm_head.shape[1]
-        x_lm = mx.random.normal((logit_rows, hidden))
+        x_lm = mx.random.normal((logit_rows, self.lm_head.shape[1]))
         mx.eval(xs, x_lm)
         start = time.perf_counter()
         with kernel_forward(decode_rows or 0, enabled=decode_rows is not None):
-            outs = [linear(xs[w.shape[1]], w) for w in self.weights]
-            if self.lm_head is not None:
-                outs.append(linear(x_lm, self.lm_head))
+            outs = [linears(xs[group[0].shape[1]], group) for group in self.groups]
+            outs.append(linear(x_lm, self.lm_head))
         mx.eval(outs)
         return time.perf_counter() - start
 

@@ -15,6 +15,8 @@
 - ``rope`` matches ``mx.fast.rope`` in both layouts, with partial rotation, a linear
   position scale and a checkpoint's own frequencies, at positions up to 100k;
 - ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows;
+- ``rms_norm`` matches ``mx.fast.rms_norm`` (2-D and per-head 3-D rows, large and tiny
+  values), a row alone and in a batch give the same bits;
 - the decode matmul built for AVX2 and built with plain-array lanes (what other CPUs
   compile) gives the same bits.
 """
@@ -132,18 +134,82 @@ def test_split_blas_matches_float64_oracle(ext, m, n, k):
     assert np.all(np.abs(got - oracle(x, w)) <= bound)
 
 
+def test_a_group_gives_each_weight_the_bits_of_its_own_call(ext):
+    """One call for several weights (q, k and v): each product as ``linear`` alone computes
+    it, also where the weights start at different offsets past a 32-byte boundary (each
+    needs x aligned its own way) and for a part smaller than one work item."""
+    for m in (1, 4, 5, 37):
+        x = mx.random.normal((m, 96), key=mx.random.key(m))
+        shifted = shifted_copies(mx.random.normal((13, 96), key=mx.random.key(8)))
+        weights = [mx.random.normal((70, 96), key=mx.random.key(9)), *shifted[1:4],
+                   mx.random.normal((1, 96), key=mx.random.key(10))]
+        got = ext.linear_group(x, weights)
+        assert [y.shape for y in got] == [(m, w.shape[0]) for w in weights]
+        for y, w in zip(got, weights, strict=True):
+            assert np.array_equal(np.asarray(y), np.asarray(ext.linear(x, w)))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the split BLAS is Linux only")
+def test_a_split_blas_group_matches_float64_oracle(ext):
+    x = mx.random.normal((70, 64), key=mx.random.key(11))
+    weights = [mx.random.normal((n, 64), key=mx.random.key(n)) for n in (700, 3, 129)]
+    for y, w in zip(ext.linear_group(x, weights, blas=True), weights, strict=True):
+        bound = 4e-7 * 64 * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T) + 1e-30
+        assert np.all(np.abs(np.asarray(y) - oracle(x, w)) <= bound)
+
+
+def test_a_bad_group_is_refused(ext):
+    x = mx.zeros((2, 8))
+    with pytest.raises(ValueError, match="weights"):
+        ext.linear_group(x, [])
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        ext.linear_group(x, [mx.zeros((3, 8)), mx.zeros((3, 7))])
+    with pytest.raises(ValueError, match="float32"):
+        ext.linear_group(x, [mx.zeros((3, 8)), mx.zeros((3, 8), dtype=mx.float16)])
+
+
+def test_layers_applied_together_equal_each_applied_alone(ext):
+    """``Linear.apply``: biases where a layer has one; a quantized layer takes its own path."""
+    from tiny_llm.cpu_kernels import Linear, kernel_forward
+
+    import mlx.nn as nn
+
+    mx.random.seed(3)
+    layers = [Linear(64, 24, bias=True), Linear(64, 8, bias=False)]
+    x = mx.random.normal((6, 64), key=mx.random.key(12))
+    for decode_rows in (None, 2, 6, 0):
+        with kernel_forward(decode_rows or 0, enabled=decode_rows is not None):
+            together = Linear.apply(x, *layers)
+            alone = [layer(x) for layer in layers]
+        for a, b in zip(together, alone, strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(together[0]),
+                               np.asarray(x @ layers[0].weight.T + layers[0].bias),
+                               rtol=1e-5, atol=1e-5)
+    quantized = nn.QuantizedLinear(64, 32, bias=False)
+    with kernel_forward(2):
+        got = Linear.apply(x, layers[1], quantized)
+    assert np.array_equal(np.asarray(got[1]), np.asarray(quantized(x)))
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch, ext):
-    """(rows, blas) of every call into the extension's linear, (name, rows) of the others."""
+    """(rows, blas) of every call into the extension's linear, (name, rows) of the others;
+    ``calls.weights``: how many weight matrices each linear call multiplied."""
     from tiny_llm import cpu_kernels
 
-    calls: list[tuple[int, bool]] = []
+    class Calls(list):
+        weights: list[int]
+
+    calls = Calls()
+    calls.weights = []
 
     class Spy:
         @staticmethod
-        def linear(x, w, blas=False):
+        def linear_group(x, weights, blas=False):
             calls.append((x.shape[0], blas))
-            return ext.linear(x, w, blas=blas)
+            calls.weights.append(len(weights))
+            return ext.linear_group(x, weights, blas=blas)
 
         @staticmethod
         def rope(x, *args):
@@ -154,6 +220,11 @@ def kernel_calls(monkeypatch, ext):
         def swiglu(gate, up):
             calls.append(("swiglu", gate.shape[0]))
             return ext.swiglu(gate, up)
+
+        @staticmethod
+        def rms_norm(x, weight, eps):
+            calls.append(("rms_norm", x.shape[0]))
+            return ext.rms_norm(x, weight, eps)
 
         def __getattr__(self, name):
             return getattr(ext, name)
@@ -199,9 +270,14 @@ def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, ti
     assert kernel_calls == []
     with kernel_forward(1):
         tiny_model(mx.array([7], dtype=mx.int32), mx.array([3]), cache)
-    # q k v, rope q k, o, gate up, swiglu, down
-    layer = [(1, False)] * 3 + [("rope", 1)] * 2 + [(1, False)] * 3 + [("swiglu", 1), (1, False)]
-    assert kernel_calls == layer * tiny_model.config.num_hidden_layers + [(1, False)]
+    # norm, q k v (one call), Qwen3's q and k norms, rope q k, o, norm, gate up (one call),
+    # swiglu, down
+    norm, row = ("rms_norm", 1), (1, False)
+    assert tiny_model.config.qk_norm
+    layer = [norm, row, norm, norm, ("rope", 1), ("rope", 1), row, norm, row, ("swiglu", 1), row]
+    layers = tiny_model.config.num_hidden_layers
+    assert kernel_calls == layer * layers + [norm, row]  # the final norm, the vocabulary
+    assert kernel_calls.weights == [3, 1, 2, 1] * layers + [1]
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False])
@@ -222,7 +298,7 @@ def test_the_engine_option_turns_the_kernels_on_and_off(kernel_calls, tiny_model
         from tiny_llm.cpu_kernels import split_blas
 
         assert (2, False) in kernel_calls and ((7, True) in kernel_calls) == split_blas()
-        assert all(rows in (2, 7, "rope", "swiglu") for rows, _ in kernel_calls)
+        assert all(rows in (2, 7, "rope", "swiglu", "rms_norm") for rows, _ in kernel_calls)
 
 
 def test_step_batch_counts_the_leading_single_row_sequences():
@@ -295,6 +371,26 @@ def test_swiglu_matches_mlx(ext):
         ext.swiglu(gate, up[:2])
 
 
+@pytest.mark.parametrize("shape, scale", [((1, 576), 1.0), ((37, 576), 30.0), ((5, 3, 64), 1e-3),
+                                          ((4, 7), 1.0)])
+def test_rms_norm_matches_mlx(ext, shape, scale):
+    x = mx.random.normal(shape, key=mx.random.key(13)) * scale
+    weight = mx.random.normal(shape[-1:], key=mx.random.key(14))
+    got, want = ext.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-6)
+    flat = x.reshape(-1, shape[-1])
+    full = np.asarray(ext.rms_norm(flat, weight, 1e-5))
+    for i in (0, flat.shape[0] - 1):  # a row alone: its own bits
+        assert np.array_equal(np.asarray(ext.rms_norm(flat[i:i + 1], weight, 1e-5))[0], full[i])
+
+
+def test_rms_norm_refuses_bad_input(ext):
+    with pytest.raises(ValueError, match="weight"):
+        ext.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        ext.rms_norm(mx.zeros((2, 8), dtype=mx.float16), mx.ones((8,), dtype=mx.float16), 1e-5)
+
+
 def test_the_command_line_turns_the_kernels_off():
     from tiny_llm.cli import build_parser, engine_options
     from tiny_llm.engine import EngineConfig
@@ -325,7 +421,7 @@ int main(int argc, char** argv) {
   auto next = [&] { s = s * 1664525u + 1013904223u; return (s >> 8) / 16777216.0f - 0.5f; };
   for (auto& v : x) v = next();
   for (auto& v : w) v = next();
-  tiny_llm::linear_cpu(x.data() + off, w.data() + 3 * off % 8, y.data(), M, N, K);
+  tiny_llm::linear_cpu(x.data() + off, {{w.data() + 3 * off % 8, y.data(), N}}, M, K);
   fwrite(y.data(), sizeof(float), y.size(), stdout);
 }
 """

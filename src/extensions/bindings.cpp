@@ -67,17 +67,28 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
         "v_new"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Write new K/V rows into their slots; in place when the pools are donatable.");
-  m.def("linear", &tiny_llm::linear, "x"_a, "w"_a, nb::kw_only(), "blas"_a = false,
+  m.def(
+      "linear",
+      [](const mx::array& x, const mx::array& w, bool blas, mx::StreamOrDevice s) {
+        return tiny_llm::linear(x, {w}, blas, s)[0];
+      },
+      "x"_a, "w"_a, nb::kw_only(), "blas"_a = false, "stream"_a = nb::none(),
+      "x @ w.T in float32 on the CPU, each weight row read once for all rows of x; a row's "
+      "result does not depend on the other rows. blas=True: MLX's BLAS (OpenBLAS) on "
+      "blocks of weight rows spread over the worker pool (Linux).");
+  m.def("linear_group", &tiny_llm::linear, "x"_a, "weights"_a, nb::kw_only(), "blas"_a = false,
         "stream"_a = nb::none(),
-        "x @ w.T in float32 on the CPU, each weight row read once for all rows of x; a row's "
-        "result does not depend on the other rows. blas=True: MLX's BLAS (OpenBLAS) on "
-        "blocks of weight rows spread over the worker pool (Linux).");
+        "[x @ w.T for w in weights] as linear computes each, in one run of the worker pool "
+        "(weights of one K: a layer's q, k and v, or its gate and up).");
   m.attr("has_blas_split") = tiny_llm::kHasBlasSplit;
   m.def("rope", &tiny_llm::rope, "x"_a, "positions"_a, "inv_freq"_a, "dims"_a, "traditional"_a,
         "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Rotary embedding of x [T, H, D] with one position per row, in float32 on the CPU.");
   m.def("swiglu", &tiny_llm::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up in float32 on the CPU, one op.");
+  m.def("rms_norm", &tiny_llm::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "x * rsqrt(mean(x^2) + eps) * weight over the last axis, float32 on the CPU, one op.");
   m.def("pool_copies", &tiny_llm::pool_copies,
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,

@@ -49,4 +49,17 @@ void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, in
   });
 }
 
+void rms_norm_cpu(const float* x, const float* weight, float* out, int64_t rows, int64_t cols,
+                  float eps) {
+  parallel_for(static_cast<int>(rows), 4.0 * cols, [&](int r) {
+    const float* xs = x + r * cols;
+    float* ys = out + r * cols;
+    float squares = 0.0f;  // one row's own sum: no other row changes it
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < cols; ++i) squares += xs[i] * xs[i];
+    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
+    for (int64_t i = 0; i < cols; ++i) ys[i] = xs[i] * scale * weight[i];
+  });
+}
+
 }  // namespace tiny_llm

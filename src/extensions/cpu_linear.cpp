@@ -212,54 +212,107 @@ void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int
   }
 }
 
+// A call's work items, numbered across its parts: part p owns items first[p] ..
+// first[p + 1] - 1. Returns the part of `item` and makes `item` its number within it.
+size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
+  size_t p = 0;
+  while (item >= first[p + 1]) ++p;
+  item -= first[p];
+  return p;
+}
+
+// x as each part's kernel reads it: its rows start where that part's weight rows do,
+// modulo 32 bytes, so both load aligned (x itself, or a copy of it per such offset).
+class StagedRows {
+ public:
+  StagedRows(const float* x, int64_t M, int64_t K) : x_(x), size_(M * K), K_(K) {}
+
+  const float* for_weights(const float* w) {
+    const auto offset = misalign(w);
+    if (K_ % kLanes != 0 || offset == misalign(x_) || offset % sizeof(float) != 0) return x_;
+    const float*& start = starts_[offset / sizeof(float)];
+    if (start == nullptr) {
+      auto& copy = copies_[offset / sizeof(float)];
+      copy.resize(size_ + kLanes);
+      float* at = copy.data();
+      while (misalign(at) != offset) ++at;
+      std::copy(x_, x_ + size_, at);
+      start = at;
+    }
+    return start;
+  }
+
+ private:
+  static std::uintptr_t misalign(const float* p) {
+    return reinterpret_cast<std::uintptr_t>(p) % 32;
+  }
+  const float* x_;
+  int64_t size_, K_;
+  std::vector<float> copies_[kLanes];
+  const float* starts_[kLanes] = {};
+};
+
 }  // namespace
 
 // ANCHOR: cpu_linear
-void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M, int64_t K) {
   // A work item: up to 64 rows of x (in L2) against about 64 KiB of weight rows.
   const int64_t block_rows = 16 * kTileRows;
   const int64_t block_weights = std::max<int64_t>(
       kTileWeights, 65536 / static_cast<int64_t>(sizeof(float) * std::max<int64_t>(K, 1)) /
                         kTileWeights * kTileWeights);
   const int64_t m_blocks = (M + block_rows - 1) / block_rows;
-  const int64_t n_blocks = (N + block_weights - 1) / block_weights;
   const double flops = 2.0 * std::min(M, block_rows) * block_weights * K;
-  const DotPlan plan = plan_dots(w, K);
-  // x's rows start where w's do modulo 32 bytes (or x is copied so), so both load aligned.
-  std::vector<float> staged;
-  const auto misalign = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p) % 32; };
-  if (K % kLanes == 0 && misalign(x) != misalign(w) && misalign(w) % sizeof(float) == 0) {
-    staged.resize(M * K + kLanes);
-    float* start = staged.data();
-    while (misalign(start) != misalign(w)) ++start;
-    std::copy(x, x + M * K, start);
-    x = start;
+  struct Job {
+    const float* x;  // x's rows, aligned as this part's weight rows (StagedRows)
+    DotPlan plan;
+  };
+  StagedRows rows(x, M, K);
+  std::vector<Job> jobs;
+  std::vector<int64_t> first{0};
+  for (const auto& part : parts) {
+    jobs.push_back({rows.for_weights(part.w), plan_dots(part.w, K)});
+    first.push_back(first.back() + m_blocks * ((part.N + block_weights - 1) / block_weights));
   }
   // Weight blocks outermost: the blocks of one weight block's rows run back to back.
-  parallel_for(static_cast<int>(m_blocks * n_blocks), flops, [&](int item) {
+  parallel_for(static_cast<int>(first.back()), flops, [&](int index) {
+    int64_t item = index;
+    const size_t p = part_of(first, item);
+    const LinearPart& part = parts[p];
     const int64_t nb = item / m_blocks, mb = item % m_blocks;
-    block(x, w, y, mb * block_rows, std::min(M, (mb + 1) * block_rows), nb * block_weights,
-          std::min(N, (nb + 1) * block_weights), N, plan);
+    block(jobs[p].x, part.w, part.y, mb * block_rows, std::min(M, (mb + 1) * block_rows),
+          nb * block_weights, std::min(part.N, (nb + 1) * block_weights), part.N, jobs[p].plan);
   });
 }
 // ANCHOR_END: cpu_linear
 
 // ANCHOR: cpu_linear_blas_split
-void linear_blas_split(const float* x, const float* w, float* y, int64_t M, int64_t N,
+void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int64_t M,
                        int64_t K) {
 #if defined(__linux__)
-  // About eight blocks of at least 64 weight rows: enough to share out unevenly, few
-  // enough that repacking x for each call stays small next to the product.
-  const int64_t block = std::max<int64_t>(64, (N + 7) / 8 + 15) / 16 * 16;
-  const int64_t blocks = (N + block - 1) / block;
-  parallel_for(static_cast<int>(blocks), 2.0 * M * block * K, [&](int b) {
-    const int64_t n0 = b * block, n = std::min(N, n0 + block) - n0;
+  // About eight blocks of at least 64 weight rows per part: enough to share out unevenly,
+  // few enough that repacking x for each call stays small next to the product.
+  const auto block_of = [](int64_t N) {
+    return std::max<int64_t>(64, (N + 7) / 8 + 15) / 16 * 16;
+  };
+  std::vector<int64_t> first{0};
+  int64_t weight_rows = 0;
+  for (const auto& part : parts) {
+    first.push_back(first.back() + (part.N + block_of(part.N) - 1) / block_of(part.N));
+    weight_rows += part.N;
+  }
+  const double flops = 2.0 * M * K * weight_rows / static_cast<double>(first.back());
+  parallel_for(static_cast<int>(first.back()), flops, [&](int index) {
+    int64_t b = index;
+    const LinearPart& part = parts[part_of(first, b)];
+    const int64_t block = block_of(part.N);
+    const int64_t n0 = b * block, n = std::min(part.N, n0 + block) - n0;
     cblas_sgemm(101, 111, 112, static_cast<int>(M), static_cast<int>(n), static_cast<int>(K),
-                1.0f, x, static_cast<int>(K), w + n0 * K, static_cast<int>(K), 0.0f, y + n0,
-                static_cast<int>(N));
+                1.0f, x, static_cast<int>(K), part.w + n0 * K, static_cast<int>(K), 0.0f,
+                part.y + n0, static_cast<int>(part.N));
   });
 #else
-  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
+  (void)x, (void)parts, (void)M, (void)K;
   throw std::runtime_error("linear_blas_split: Linux only");
 #endif
 }

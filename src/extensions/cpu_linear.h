@@ -7,13 +7,25 @@
 // result therefore does not depend on which other rows share the call (batch invariance
 // by construction, not by luck). Blocks of rows and weight rows run on the worker pool;
 // how they are split never changes a result.
+//
+// One call may multiply x by several weight matrices of the same K (a layer's q, k and v
+// projections, or its gate and up): their blocks share one run of the worker pool, so the
+// pool starts once and a small matrix's few blocks do not leave a thread idle at its end.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace tiny_llm {
 
-void linear_cpu(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K);
+// One weight matrix of a call and where its product goes: y [M, N] = x [M, K] @ w [N, K]^T.
+struct LinearPart {
+  const float* w;
+  float* y;
+  int64_t N;
+};
+
+void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M, int64_t K);
 
 // The same product by the BLAS that MLX's matmul calls (OpenBLAS on Linux, on one thread),
 // one call per block of weight rows, the blocks spread over the worker pool: both cores
@@ -25,7 +37,7 @@ constexpr bool kHasBlasSplit = true;
 #else
 constexpr bool kHasBlasSplit = false;
 #endif
-void linear_blas_split(const float* x, const float* w, float* y, int64_t M, int64_t N,
+void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int64_t M,
                        int64_t K);
 
 }  // namespace tiny_llm

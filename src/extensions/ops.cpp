@@ -145,13 +145,16 @@ void PagedKVWrite::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array
 namespace {
 
 // The start of every eval_cpu below, as PagedAttention::eval_cpu spells it out: allocate
-// the output now, hand the arrays to the stream's encoder, and return the encoder.
+// the outputs now, hand the arrays to the stream's encoder, and return the encoder.
 mx::cpu::CommandEncoder& begin_cpu_eval(const mx::Stream& stream,
-                                        const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+                                        const std::vector<mx::array>& inputs,
+                                        std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream);
   for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    enc.set_output_array(out);
+  }
   return enc;
 }
 
@@ -173,16 +176,19 @@ mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
 
 // ANCHOR: cpu_linear_eval
 void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& out = outputs[0];
-  auto& enc = begin_cpu_eval(stream(), inputs, out);
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
   const auto x = row_major(inputs[0], enc);
-  const auto w = row_major(inputs[1], enc);
-  enc.dispatch([x = x.data<float>(), w = w.data<float>(), y = out.data<float>(),
-                m = x.shape(0), n = w.shape(0), k = x.shape(1), blas = blas_]() {
+  std::vector<LinearPart> parts;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto w = row_major(inputs[i + 1], enc);
+    parts.push_back({w.data<float>(), outputs[i].data<float>(), w.shape(0)});
+  }
+  enc.dispatch([x = x.data<float>(), parts = std::move(parts), m = x.shape(0), k = x.shape(1),
+                blas = blas_]() {
     if (blas) {
-      linear_blas_split(x, w, y, m, n, k);
+      linear_blas_split(x, parts, m, k);
     } else {
-      linear_cpu(x, w, y, m, n, k);
+      linear_cpu(x, parts, m, k);
     }
   });
 }
@@ -193,8 +199,8 @@ void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
   auto& out = outputs[0];
-  auto& enc = begin_cpu_eval(stream(), inputs, out);
   const auto x = row_major(inputs[0], enc);
   const auto positions = row_major(inputs[1], enc);
   const auto inv_freq = row_major(inputs[2], enc);
@@ -210,8 +216,8 @@ void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 }
 
 void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
   auto& out = outputs[0];
-  auto& enc = begin_cpu_eval(stream(), inputs, out);
   const auto gate = row_major(inputs[0], enc);
   const auto up = row_major(inputs[1], enc);
   const int64_t cols = gate.ndim() ? gate.shape(-1) : 1;
@@ -223,6 +229,22 @@ void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 
 void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("SwiGLU: GPU streams use MLX's ops (tiny_llm/model.py)");
+}
+
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
+  auto& out = outputs[0];
+  const auto x = row_major(inputs[0], enc);
+  const auto weight = row_major(inputs[1], enc);
+  const int64_t cols = x.shape(-1);
+  enc.dispatch([x = x.data<float>(), w = weight.data<float>(), y = out.data<float>(),
+                rows = cols ? static_cast<int64_t>(x.size()) / cols : 0, cols, eps = eps_]() {
+    rms_norm_cpu(x, w, y, rows, cols, eps);
+  });
+}
+
+void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("RmsNorm: GPU streams use mx.fast.rms_norm (tiny_llm/cpu_kernels.py)");
 }
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {
@@ -258,16 +280,26 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                     c(query_start_loc)});
 }
 
-mx::array linear(const mx::array& x, const mx::array& w, bool blas, mx::StreamOrDevice s) {
-  check(x.ndim() == 2 && w.ndim() == 2 && x.shape(1) == w.shape(1),
-        "linear needs x [M, K] and w [N, K]");
-  check(x.dtype() == mx::float32 && w.dtype() == mx::float32, "linear computes in float32");
+std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,
+                              bool blas, mx::StreamOrDevice s) {
+  check(!weights.empty(), "linear needs one or more weights");
+  check(x.ndim() == 2, "linear needs x [M, K] and w [N, K]");
+  std::vector<mx::Shape> shapes;
+  for (const auto& w : weights) {
+    check(w.ndim() == 2 && w.shape(1) == x.shape(1), "linear needs x [M, K] and w [N, K]");
+    check(w.dtype() == mx::float32, "linear computes in float32");
+    shapes.push_back({x.shape(0), w.shape(0)});
+  }
+  check(x.dtype() == mx::float32, "linear computes in float32");
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "linear runs on CPU streams only");
   check(!blas || kHasBlasSplit, "linear(blas=True) runs on Linux only");
   // Strided inputs are copied by the primitive itself: no extra graph nodes per call.
-  return mx::array({x.shape(0), w.shape(0)}, mx::float32, std::make_shared<Linear>(stream, blas),
-                   {x, w});
+  std::vector<mx::array> inputs{x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  return mx::array::make_arrays(std::move(shapes),
+                                std::vector<mx::Dtype>(weights.size(), mx::float32),
+                                std::make_shared<Linear>(stream, blas), inputs);
 }
 
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
@@ -293,6 +325,16 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "swiglu runs on CPU streams only");
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {gate, up});
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
+                   mx::StreamOrDevice s) {
+  check(x.dtype() == mx::float32 && weight.dtype() == mx::float32 && x.ndim() >= 1 &&
+            weight.ndim() == 1 && weight.shape(0) == x.shape(-1),
+        "rms_norm needs float32 x [..., D] and weight [D]");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "rms_norm runs on CPU streams only");
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
 
 std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,

@@ -9,18 +9,22 @@
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //
-//   linear(x [M, K], w [N, K], blas) -> x @ w^T [M, N], float32 on a CPU stream: the
-//       model's matmuls, each weight row read once for all rows (the decode rows), or with
-//       blas, MLX's BLAS split over the worker pool (the prefill rows; cpu_linear.h).
+//   linear(x [M, K], [w_i [N_i, K], ...], blas) -> [x @ w_i^T [M, N_i], ...], float32 on a
+//       CPU stream: the model's matmuls, each weight row read once for all rows (the decode
+//       rows), or with blas, MLX's BLAS split over the worker pool (the prefill rows); the
+//       weights of one call share one run of the pool (cpu_linear.h).
 //   rope(x [T, H, D], positions int32 [T], inv_freq [dims / 2], dims, traditional, scale)
 //       -> [T, H, D], float32 on a CPU stream: RoPE with a position per row (cpu_layers.h).
 //   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
+//   rms_norm(x [..., D], weight [D], eps) -> x normalised over its last axis, float32 on a
+//       CPU stream (cpu_layers.h).
 //
 // Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
 // any kernel runs; these ops check only shapes and dtypes.
 #pragma once
 
 #include <tuple>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -48,13 +52,16 @@ std::tuple<mx::array, mx::array> paged_kv_write(
     const mx::array& slot_mapping,
     mx::StreamOrDevice s = {});
 
-mx::array linear(const mx::array& x, const mx::array& w, bool blas = false,
-                 mx::StreamOrDevice s = {});
+std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,
+                              bool blas = false, mx::StreamOrDevice s = {});
 
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
                int dims, bool traditional, float scale, mx::StreamOrDevice s = {});
 
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
+                   mx::StreamOrDevice s = {});
 
 // How many times paged_kv_write had to copy a pool because it was not donatable
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
@@ -84,7 +91,7 @@ class PagedKVWrite : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
 };
 
-// Inputs: x [M, K] and w [N, K], row-contiguous float32. Output: [M, N].
+// Inputs: x [M, K] and the weights w_i [N_i, K], float32. Outputs: x @ w_i^T [M, N_i].
 class Linear : public mx::Primitive {
  public:
   Linear(mx::Stream stream, bool blas) : mx::Primitive(stream), blas_(blas) {}
@@ -123,6 +130,21 @@ class SwiGLU : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "SwiGLU"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+// Inputs: x [..., D] and weight [D], float32.
+class RmsNorm : public mx::Primitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "RmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
 };
 
 }  // namespace tiny_llm

@@ -27,12 +27,19 @@ dtypes other than float32.
 
 **Elementwise layers.** MLX's CPU rope with a position per row (the flat batch's case)
 runs as a chain of about a dozen ops, which made it the costliest op of a decode step
-after the matmuls; and its CPU ``exp`` is slow enough that SiLU over a step's MLP rows
-costs more than the matmul next to it at large batches. The extension has each as one op
-(``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as ``mx.fast.rope``
-(``theta = (position * scale) * inv_freq``, ``inv_freq`` from ``rope_inv_freq``), and
-``swiglu`` is ``silu(gate) * up``. Inside ``kernel_forward`` they serve every CPU float32
+after the matmuls; its CPU ``exp`` is slow enough that SiLU over a step's MLP rows
+costs more than the matmul next to it at large batches; and its CPU ``rms_norm`` is a
+chain too (about 25 us for one row, 60 of them per step). The extension has each as one
+op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as
+``mx.fast.rope`` (``theta = (position * scale) * inv_freq``, ``inv_freq`` from
+``rope_inv_freq``), ``swiglu`` is ``silu(gate) * up`` and ``rms_norm`` is
+``mx.fast.rms_norm``'s formula. Inside ``kernel_forward`` they serve every CPU float32
 row.
+
+**One pass for a layer's projections.** ``Linear.apply(x, q_proj, k_proj, v_proj)`` (and
+gate with up) multiplies one input by several weights in one call of the kernels: one run
+of the worker pool for all their blocks, so the small k and v matrices do not each end
+with a thread waiting for the other.
 """
 
 from __future__ import annotations
@@ -77,16 +84,23 @@ def kernels_on(*arrays: mx.array) -> bool:
     return _decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
 
 
-def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ weight.T``; in a step, decode rows by the decode kernel, the rest by split BLAS."""
-    if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, weight):
-        return x @ weight.T
+def linears(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
+    """``[x @ w.T for w in weights]``; in a step, decode rows by the decode kernel and the
+    rest by split BLAS, each in one call for all the weights (read in one pass)."""
+    if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, *weights):
+        return [x @ w.T for w in weights]
     ext, n = native(), min(_decode_rows.get(), x.shape[0])
-    parts = [ext.linear(x[:n], weight)] if n else []
+    parts = [ext.linear_group(x[:n], weights)] if n else []
     if n < x.shape[0]:
         rest = x[n:] if n else x
-        parts.append(ext.linear(rest, weight, blas=True) if split_blas() else rest @ weight.T)
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        parts.append(ext.linear_group(rest, weights, blas=True) if split_blas()
+                     else [rest @ w.T for w in weights])
+    return parts[0] if len(parts) == 1 else [mx.concatenate(ys) for ys in zip(*parts, strict=True)]
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T``, as ``linears`` computes it."""
+    return linears(x, [weight])[0]
 # ANCHOR_END: kernel_forward
 
 
@@ -114,8 +128,27 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linear``."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = linear(x, self.weight)
-        return y + self.bias if "bias" in self else y
+        return Linear.apply(x, self)[0]
+
+    @staticmethod
+    def apply(x: mx.array, *layers: nn.Module) -> list[mx.array]:
+        """Each layer of one input ``x`` (a layer's q, k and v projections, or its gate and
+        up): this class's layers by one ``linears`` call, others (quantized) by their own."""
+        if not all(isinstance(layer, Linear) for layer in layers):
+            return [layer(x) for layer in layers]
+        ys = linears(x, [layer.weight for layer in layers])
+        return [y + layer.bias if "bias" in layer else y
+                for y, layer in zip(ys, layers, strict=True)]
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (same parameters); in a step, CPU float32 rows take the extension's
+    one op (MLX's CPU ``rms_norm`` is a chain of ops)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if kernels_on(x, self.weight):
+            return native().rms_norm(x, self.weight, self.eps)
+        return super().__call__(x)
 
 
 # ANCHOR: rope

@@ -25,7 +25,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.cpu_kernels import Linear, kernels_on, linear, rope, rope_inv_freq, swiglu
+from tiny_llm.cpu_kernels import (
+    Linear,
+    RMSNorm,
+    kernels_on,
+    linear,
+    rope,
+    rope_inv_freq,
+    swiglu,
+)
 from tiny_llm.moe import SparseMoeBlock
 
 import mlx.core as mx
@@ -218,15 +226,16 @@ class Attention(nn.Module):
         self.v_proj = Linear(dim, self.n_kv_heads * hd, bias=bias)
         self.o_proj = Linear(self.n_heads * hd, dim, bias=False)
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.rope = RoPE(config)
 
     def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
         T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(T, self.n_kv_heads, self.head_dim)
+        q, k, v = Linear.apply(x, self.q_proj, self.k_proj, self.v_proj)  # one pass on a CPU
+        q = q.reshape(T, self.n_heads, self.head_dim)
+        k = k.reshape(T, self.n_kv_heads, self.head_dim)
+        v = v.reshape(T, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
@@ -243,7 +252,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = Linear.apply(x, self.gate_proj, self.up_proj)
         return self.down_proj(swiglu(gate, up) if kernels_on(gate) else nn.silu(gate) * up)
 
 
@@ -267,8 +276,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.mlp = feed_forward(config, layer)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), positions, cache)
@@ -281,7 +290,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [TransformerBlock(config, i) for i in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 # ANCHOR: model
