@@ -301,6 +301,7 @@ void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int
     first.push_back(first.back() + (part.N + block_of(part.N) - 1) / block_of(part.N));
     weight_rows += part.N;
   }
+  if (first.back() == 0) return;  // every part has N = 0
   const double flops = 2.0 * M * K * weight_rows / static_cast<double>(first.back());
   parallel_for(static_cast<int>(first.back()), flops, [&](int index) {
     int64_t b = index;
