@@ -56,6 +56,7 @@ from common import (
     Table,
     bench_parser,
     copy_bandwidth,
+    goals_table,
     greedy,
     load_model,
     save_results,
@@ -142,6 +143,23 @@ def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
             "the step's matmuls at batch rows on random inputs, as each engine runs them."
         ),
     )
+
+
+def make_goals(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
+    one, last = rows[0], rows[-1]
+    of_bound = data["memory_bound_ms"] / one["step_ms"]
+    growing = all(b["tok_s"] > a["tok_s"] for a, b in zip(rows, rows[1:], strict=False))
+    return goals_table("The decode goals, kernels (the default engine)", [
+        (f"batch-{one['batch']} decode at 70% of the memory bound or more",
+         f"{of_bound:.0%} ({one['step_ms']:.1f} ms against {data['memory_bound_ms']:.1f} ms)",
+         of_bound >= 0.7),
+        ("tok/s grows with every doubling of the batch",
+         f"{one['tok_s']:.1f} to {last['tok_s']:.1f} tok/s from batch {one['batch']} to "
+         f"{last['batch']}", growing),
+        (f"at batch {last['batch']}: the step at the compute bound",
+         f"{last['vs_compute_bound']:.2f}x the bound", last["vs_compute_bound"] <= 1.0),
+    ], note="The memory bound: the weights once at copy bandwidth; the compute bound: the "
+            "matmuls' flops at one large OpenBLAS product's rate split over every core.")
 
 
 def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
@@ -232,8 +250,9 @@ def main() -> None:
         "openblas_threads": openblas_threads(), "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
-    save_results(NAME + ("_quick" if args.quick else ""), data, [make_table(rows, data)],
-                 make_figure(rows, data), rounds=args.rounds)
+    save_results(NAME + ("_quick" if args.quick else ""), data,
+                 [make_table(rows, data), make_goals(rows, data)], make_figure(rows, data),
+                 rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,16 @@ from tiny_llm.engine import LLMEngine
 import mlx.core as mx
 from bench_cpu_decode import gemm_rate, matmul_params
 from bench_week3_day5 import StubTokenizer
-from common import Table, bench_parser, greedy, load_model, mlx_lm_model, save_results, spread
+from common import (
+    Table,
+    bench_parser,
+    goals_table,
+    greedy,
+    load_model,
+    mlx_lm_model,
+    save_results,
+    spread,
+)
 
 NAME = "bench_cpu_speed"
 ENGINES = {"MLX ops": False, "kernels": True}  # label -> cpu_kernels
@@ -138,7 +147,13 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
               f"mlx-lm's own counters: prompt {mlx_lm['prompt_tps']:.0f} tok/s, generation "
               f"{mlx_lm['generation_tps']:.1f} tok/s."),
     )
-    return [serving, phases]
+    kernels, x_mlx_lm = res["kernels"], data["kernels_x_mlx_lm"]
+    wall_ratio = kernels["wall_s"] / data["compute_bound_s"]
+    goals = goals_table("The serving goals, kernels (the default engine)", [
+        ("output tok/s at 3x mlx-lm's or more", f"{x_mlx_lm:.2f}x", x_mlx_lm >= 3),
+        ("wall time within 2x the compute bound", f"{wall_ratio:.2f}x", wall_ratio <= 2),
+    ])
+    return [serving, phases, goals]
 
 
 def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:

@@ -42,7 +42,7 @@ from tiny_llm.engine import LLMEngine
 from tiny_llm.loader import default_model_path
 
 from bench_model import decode_bytes_per_token
-from common import Table, bench_parser, greedy, load_model, save_results, spread
+from common import Table, bench_parser, goals_table, greedy, load_model, save_results, spread
 from mlx.utils import tree_flatten
 
 NAME = "bench_vs_llama_cpp"
@@ -94,6 +94,14 @@ def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
     )
 
 
+def make_goals(res: dict[str, Any]) -> Table:
+    ratios = {kind: res["engine"][f"{kind}_tok_s"] / res["llama"][f"{kind}_tok_s"]
+              for kind in ("prefill", "decode")}
+    return goals_table("The goal next to llama.cpp: one request, ahead on the same GGUF", [
+        (f"{kind} faster than llama.cpp", f"{ratio:.2f}x llama.cpp's tok/s", ratio > 1)
+        for kind, ratio in ratios.items()])
+
+
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--llama-bench", type=Path, required="--help" not in sys.argv,
@@ -130,8 +138,8 @@ def main() -> None:
     data = {"model": model_name, "gguf": gguf.name, "prompt": prompt, "new": new,
             "cores": os.cpu_count(), "rounds": args.rounds, "results": res,
             "wall_s": time.perf_counter() - t0}
-    save_results(NAME + ("_quick" if args.quick else ""), data, [make_table(res, data)],
-                 rounds=args.rounds)
+    save_results(NAME + ("_quick" if args.quick else ""), data,
+                 [make_table(res, data), make_goals(res)], rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -341,6 +341,13 @@ class Table:
     note: str = ""
 
 
+def goals_table(title: str, goals: list[tuple[str, str, bool]], note: str = "") -> Table:
+    """A benchmark's targets as it measured them: (goal, what was measured, whether met)."""
+    return Table(title=title, headers=["goal", "measured", "met"],
+                 rows=[[goal, measured, "yes" if met else "no"] for goal, measured, met in goals],
+                 note=note)
+
+
 def environment() -> dict[str, Any]:
     import mlx.core as mx
 
