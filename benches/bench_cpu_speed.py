@@ -74,13 +74,18 @@ def serve_engine(model: Any, tokenizer: Any, prompts: list[list[int]], outputs: 
     sched = engine.scheduler
     steps = []
     start = time.perf_counter()
+    computed = engine.counters["num_prompt_tokens_computed"]
     while engine.has_unfinished_requests():
-        prefill = bool(sched.waiting) or any(r.num_uncomputed_tokens > 1 for r in sched.running)
         rows = len(sched.running)
         t0 = time.perf_counter()
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-        steps.append((prefill, time.perf_counter() - t0, rows))
+        elapsed = time.perf_counter() - t0
+        # A step prefills if it computed prompt tokens (a request waiting for a free slot
+        # does not make a step of decodes a prefill step).
+        prefill = engine.counters["num_prompt_tokens_computed"] > computed
+        computed = engine.counters["num_prompt_tokens_computed"]
+        steps.append((prefill, elapsed, rows))
     wall = time.perf_counter() - start
     prefill = [s for s in steps if s[0]]
     decode = [s for s in steps if not s[0]]
@@ -143,7 +148,8 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
               for label in ENGINES],
         formats=["", ".0f", ".1f", ".0f", ".0f", ".1f", ".1f", ".1f"],
         note=("A step with prefill computes prompt tokens (and the decodes running beside "
-              "them); prompt tok/s divides all prompt tokens by the time of those steps. "
+              "them); prompt tok/s divides all prompt tokens by the time of those steps. Rows "
+              "per decode step: requests running as a decode-only step starts. "
               f"mlx-lm's own counters: prompt {mlx_lm['prompt_tps']:.0f} tok/s, generation "
               f"{mlx_lm['generation_tps']:.1f} tok/s."),
     )
