@@ -33,7 +33,7 @@ step (bytes per step / step time) and that as a fraction of the copy bandwidth, 
 kernels' step time over each bound. ``--rounds`` rounds (default 3), batch sizes and
 engines in alternating order; medians.
 
-    python benches/bench_cpu_decode.py          # about 6 minutes on 2 cores
+    python benches/bench_cpu_decode.py          # about 3 minutes on 2 cores
     python benches/bench_cpu_decode.py --quick  # tiny random model, writes *_quick.*
 """
 

@@ -22,7 +22,7 @@ Each round, in turn (``--rounds``, default 3; medians):
 Both use every core; the weights are the same numbers in two formats, so the table gives
 each side's bytes per token next to its speed.
 
-    python benches/bench_vs_llama_cpp.py --llama-bench PATH          # about 3 minutes
+    python benches/bench_vs_llama_cpp.py --llama-bench PATH          # about a minute
     python benches/bench_vs_llama_cpp.py --llama-bench PATH --quick  # writes *_quick.*
 """
 
