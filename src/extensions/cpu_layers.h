@@ -1,7 +1,8 @@
 // The model's elementwise layers on the CPU, each one op where MLX's CPU back end runs a
 // chain of them (RoPE with a position per row) or a slow scalar exp (SiLU).
 //
-// rope: rotary position embedding for a flat batch, every row at its own position. For row t at position p and pair i < dims / 2, theta = (p * scale) * inv_freq[i]; the
+// rope: rotary position embedding for a flat batch, every row at its own position. For
+// row t at position p and pair i < dims / 2, theta = (p * scale) * inv_freq[i]; the
 // pair (x[2i], x[2i+1]) (traditional, llama.cpp's layout) or (x[i], x[i + dims/2]) (the
 // halves, Hugging Face's layout) of every head is rotated by theta. Elements past `dims`
 // are copied. The cosines and sines of a row are computed once for all its heads.
