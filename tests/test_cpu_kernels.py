@@ -134,15 +134,19 @@ def test_split_blas_matches_float64_oracle(ext, m, n, k):
     assert np.all(np.abs(got - oracle(x, w)) <= bound)
 
 
-def test_a_group_gives_each_weight_the_bits_of_its_own_call(ext):
+@pytest.mark.parametrize("k", [96, 99])
+def test_a_group_gives_each_weight_the_bits_of_its_own_call(ext, k):
     """One call for several weights (q, k and v): each product as ``linear`` alone computes
     it, also where the weights start at different offsets past a 32-byte boundary (each
-    needs x aligned its own way) and for a part smaller than one work item."""
-    for m in (1, 4, 5, 37):
-        x = mx.random.normal((m, 96), key=mx.random.key(m))
-        shifted = shifted_copies(mx.random.normal((13, 96), key=mx.random.key(8)))
-        weights = [mx.random.normal((70, 96), key=mx.random.key(9)), *shifted[1:4],
-                   mx.random.normal((1, 96), key=mx.random.key(10))]
+    needs x aligned its own way), for a part smaller than one work item, an empty part,
+    the same weight twice and a strided weight."""
+    shifted = shifted_copies(mx.random.normal((13, k), key=mx.random.key(8)))
+    strided = mx.random.normal((k, 5), key=mx.random.key(15)).T
+    base = mx.random.normal((70, k), key=mx.random.key(9))
+    weights = [base, *shifted[1:4], mx.random.normal((1, k), key=mx.random.key(10)),
+               mx.zeros((0, k)), base, strided]
+    for m in (1, 4, 5, 37, 68):
+        x = mx.random.normal((m, k), key=mx.random.key(m))
         got = ext.linear_group(x, weights)
         assert [y.shape for y in got] == [(m, w.shape[0]) for w in weights]
         for y, w in zip(got, weights, strict=True):
@@ -156,6 +160,8 @@ def test_a_split_blas_group_matches_float64_oracle(ext):
     for y, w in zip(ext.linear_group(x, weights, blas=True), weights, strict=True):
         bound = 4e-7 * 64 * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T) + 1e-30
         assert np.all(np.abs(np.asarray(y) - oracle(x, w)) <= bound)
+        assert np.array_equal(np.asarray(y), np.asarray(ext.linear(x, w, blas=True)))
+    assert ext.linear_group(x, [mx.zeros((0, 64))], blas=True)[0].shape == (70, 0)
 
 
 def test_a_bad_group_is_refused(ext):
@@ -169,26 +175,34 @@ def test_a_bad_group_is_refused(ext):
 
 
 def test_layers_applied_together_equal_each_applied_alone(ext):
-    """``Linear.apply``: biases where a layer has one; a quantized layer takes its own path."""
-    from tiny_llm.cpu_kernels import Linear, kernel_forward
+    """``apply_linears``: in a step the same bits as each layer alone, biases where a layer
+    has one; outside a step exactly MLX's ``x @ w.T + b``; a quantized layer takes its own
+    path."""
+    from tiny_llm.cpu_kernels import Linear, apply_linears, kernel_forward
 
     import mlx.nn as nn
 
     mx.random.seed(3)
     layers = [Linear(64, 24, bias=True), Linear(64, 8, bias=False)]
     x = mx.random.normal((6, 64), key=mx.random.key(12))
-    for decode_rows in (None, 2, 6, 0):
-        with kernel_forward(decode_rows or 0, enabled=decode_rows is not None):
-            together = Linear.apply(x, *layers)
+    for decode_rows in (2, 6, 0):
+        with kernel_forward(decode_rows):
+            together = apply_linears(x, *layers)
             alone = [layer(x) for layer in layers]
         for a, b in zip(together, alone, strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(together[0]),
-                               np.asarray(x @ layers[0].weight.T + layers[0].bias),
-                               rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(together[0]),
+                                   np.asarray(x @ layers[0].weight.T + layers[0].bias),
+                                   rtol=1e-5, atol=1e-5)
+    outside = apply_linears(x, *layers)
+    assert np.array_equal(np.asarray(outside[0]),
+                          np.asarray(x @ layers[0].weight.T + layers[0].bias))
+    assert np.array_equal(np.asarray(outside[1]), np.asarray(x @ layers[1].weight.T))
     quantized = nn.QuantizedLinear(64, 32, bias=False)
     with kernel_forward(2):
-        got = Linear.apply(x, layers[1], quantized)
+        got = apply_linears(x, layers[1], quantized)
+        want = layers[1](x)
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want))
     assert np.array_equal(np.asarray(got[1]), np.asarray(quantized(x)))
 
 

@@ -195,9 +195,10 @@ void weight_tile(const float* x, const float* w, float* y, int64_t m0, int64_t m
 
 // Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1, a few rows at a time (about
 // 16 KiB of them, in L1). Weight tiles innermost: each is read from memory once, for the
-// first rows, and from L2 for the next ones.
+// first rows, and from L2 for the next ones. `row_by_row`: tiles of one weight row (a call
+// of at most kRowByRow rows).
 void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int64_t n0,
-           int64_t n1, int64_t N, const DotPlan& plan) {
+           int64_t n1, int64_t N, const DotPlan& plan, bool row_by_row) {
   const int64_t K = plan.K;
   const int64_t rows_in_l1 = std::max<int64_t>(
       kTileRows, 16384 / static_cast<int64_t>(sizeof(float) * std::max<int64_t>(K, 1)) /
@@ -205,7 +206,7 @@ void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int
   for (int64_t m = m0; m < m1; m += rows_in_l1) {
     const int64_t m_end = std::min(m1, m + rows_in_l1);
     int64_t n = n0;
-    if (m1 - m0 > kRowByRow)
+    if (!row_by_row)
       for (; n + kTileWeights <= n1; n += kTileWeights)
         weight_tile<kTileWeights>(x, w + n * K, y + n, m, m_end, N, plan);
     for (; n < n1; ++n) weight_tile<1>(x, w + n * K, y + n, m, m_end, N, plan);
@@ -281,7 +282,8 @@ void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M,
     const LinearPart& part = parts[p];
     const int64_t nb = item / m_blocks, mb = item % m_blocks;
     block(jobs[p].x, part.w, part.y, mb * block_rows, std::min(M, (mb + 1) * block_rows),
-          nb * block_weights, std::min(part.N, (nb + 1) * block_weights), part.N, jobs[p].plan);
+          nb * block_weights, std::min(part.N, (nb + 1) * block_weights), part.N, jobs[p].plan,
+          M <= kRowByRow);
   });
 }
 // ANCHOR_END: cpu_linear

@@ -36,7 +36,7 @@ op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as
 ``mx.fast.rms_norm``'s formula. Inside ``kernel_forward`` they serve every CPU float32
 row.
 
-**One pass for a layer's projections.** ``Linear.apply(x, q_proj, k_proj, v_proj)`` (and
+**One pass for a layer's projections.** ``apply_linears(x, q_proj, k_proj, v_proj)`` (and
 gate with up) multiplies one input by several weights in one call of the kernels: one run
 of the worker pool for all their blocks, so the small k and v matrices do not each end
 with a thread waiting for the other.
@@ -128,17 +128,16 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linear``."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return Linear.apply(x, self)[0]
+        return apply_linears(x, self)[0]
 
-    @staticmethod
-    def apply(x: mx.array, *layers: nn.Module) -> list[mx.array]:
-        """Each layer of one input ``x`` (a layer's q, k and v projections, or its gate and
-        up): this class's layers by one ``linears`` call, others (quantized) by their own."""
-        if not all(isinstance(layer, Linear) for layer in layers):
-            return [layer(x) for layer in layers]
-        ys = linears(x, [layer.weight for layer in layers])
-        return [y + layer.bias if "bias" in layer else y
-                for y, layer in zip(ys, layers, strict=True)]
+
+def apply_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
+    """Each layer applied to one input ``x`` (a layer's q, k and v projections, or its gate
+    and up): ``Linear`` layers by one ``linears`` call, others (quantized) by their own."""
+    if not all(isinstance(layer, Linear) for layer in layers):
+        return [layer(x) for layer in layers]
+    ys = linears(x, [layer.weight for layer in layers])
+    return [y + layer.bias if "bias" in layer else y for y, layer in zip(ys, layers, strict=True)]
 
 
 class RMSNorm(nn.RMSNorm):

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from tiny_llm.cpu_kernels import (
     Linear,
     RMSNorm,
+    apply_linears,
     kernels_on,
     linear,
     rope,
@@ -232,7 +233,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
         T = x.shape[0]
-        q, k, v = Linear.apply(x, self.q_proj, self.k_proj, self.v_proj)  # one pass on a CPU
+        q, k, v = apply_linears(x, self.q_proj, self.k_proj, self.v_proj)  # one pass on a CPU
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         v = v.reshape(T, self.n_kv_heads, self.head_dim)
@@ -252,7 +253,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = Linear.apply(x, self.gate_proj, self.up_proj)
+        gate, up = apply_linears(x, self.gate_proj, self.up_proj)
         return self.down_proj(swiglu(gate, up) if kernels_on(gate) else nn.silu(gate) * up)
 
 
