@@ -197,10 +197,19 @@ def test_overloaded_server_answers_503(tiny_model, smollm_tokenizer):
     assert caught.value.status == 503
 
 
-def test_concurrent_streams_with_disconnects(served, client):
+def test_concurrent_streams_with_disconnects(served, client, monkeypatch):
     """32 streams at once; a third disconnect after a few chunks. Every stream that stays
     gets exactly its text served alone; nothing is left behind."""
     server = served[1]
+    step = server.engine.step
+
+    def paced_step():
+        # The clients, the server and the engine share one interpreter: a pause between
+        # steps lets a closing client be seen before a fast engine has finished its stream.
+        time.sleep(0.002)
+        return step()
+
+    monkeypatch.setattr(server.engine, "step", paced_step)
     rng = random.Random(0)
     words = [" ".join(f"w{rng.randrange(500)}" for _ in range(rng.randint(1, 40)))
              for _ in range(32)]

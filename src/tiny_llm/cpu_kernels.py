@@ -112,7 +112,7 @@ def native() -> ModuleType | None:
         return importlib.import_module("tiny_llm._native._ext")
     except ImportError as e:
         warnings.warn(f"tiny_llm: the kernel extension is not built (run `make setup`); the "
-                      f"model's CPU ops use MLX's instead (matmuls, RoPE, SwiGLU) — {e}",
+                      f"model's CPU ops use MLX's instead (matmuls, RMSNorm, RoPE, SwiGLU) — {e}",
                       stacklevel=3)
         return None
 

@@ -119,7 +119,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # tokens drafted per request and step
     speculative_max_batch: int = 16  # no drafts above this many running requests (measured)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
-    cpu_kernels: bool = True  # the extension's CPU matmuls, RoPE, SwiGLU; False: MLX ops
+    cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
