@@ -38,7 +38,11 @@ interleaved (the order rotates from call to call), reporting medians and ratios:
    ``max_num_seqs=8`` — under these engine configurations: ``kv_cache="dense"``;
    ``attention="gather"`` (Day 3); ``attention="reference"`` (Day 4's MLX page walk);
    ``attention="vector"`` (Day 4's kernel, vector schedule for every row) with the
-   extension on every core and on 1 thread. The engines are built side by side and take
+   extension on every core and on 1 thread. Every engine runs with ``cpu_kernels=False``:
+   the model's matmuls, norms and RoPE by MLX's ops (OpenBLAS on one thread) in all of
+   them, so they differ in attention alone and the kernel's thread count is attention's
+   only (with the CPU kernels on, one thread would also slow the extension's matmuls,
+   which share its pool). The engines are built side by side and take
    turns, one ``step()`` each (rotating who goes first), so a noisy neighbour slows them
    alike; each one's time is the sum of its own step times. Once per turn the model
    forward for 8 decode tokens with attention replaced by the identity is timed too: the
@@ -56,7 +60,7 @@ the per-round medians is reported (the JSON keeps every round's). (3) runs once 
 BLAS: MLX's float32 GEMM goes through OpenBLAS (``tiny_llm`` interposes it) on one thread
 (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is set; the count is recorded).
 
-    python benches/bench_week3_day4.py          # about 25 minutes on 2 cores (3 rounds)
+    python benches/bench_week3_day4.py          # about 5 minutes on 2 cores (3 rounds)
     python benches/bench_week3_day4.py --quick  # tiny random model in part 3, writes *_quick.*
 """
 
@@ -371,7 +375,7 @@ class ServeRun:
         self.kernel_threads = options.pop("kernel_threads", ALL_THREADS)
         self.engine = engine = LLMEngine(
             model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
-            enable_prefix_caching=False, **options)
+            enable_prefix_caching=False, cpu_kernels=False, **options)
         self.gathers = engine.config.attention == "gather"
         self.token_bytes = kv_bytes_per_token(model.config, model.dtype)  # K+V, all layers
         pool = getattr(engine.kv, "pool", None)
@@ -729,7 +733,8 @@ def main() -> None:
             "goes first); tok/s = tokens / the sum of that engine's step times; medians of "
             f"{rounds} round(s), ratios the medians of per-round ratios. Kernel threads: "
             "extension().set_num_threads(n) around each of that engine's steps (the other "
-            f"engines' MLX ops run on one thread). For scale: the model forward for "
+            "engines' MLX ops run on one thread); every engine with cpu_kernels=False, so "
+            f"they differ in attention alone. For scale: the model forward for "
             f"{MAX_NUM_SEQS} decode tokens with attention replaced by the identity, timed "
             f"once per turn alongside the engines, takes {no_attention_ms:.0f} ms (median)."
         ),
