@@ -125,7 +125,7 @@ def split_blas() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linear``."""
+    """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linears``."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return apply_linears(x, self)[0]
