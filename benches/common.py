@@ -243,16 +243,12 @@ class GemmProbe:
         self.lm_head = model.model.embed_tokens.weight if model.config.tie_word_embeddings \
             else model.lm_head.weight
 
-    @property
-    def weights(self) -> list[Any]:
-        return [w for group in self.groups for w in group]
-
     def time(self, tokens: int, logit_rows: int, decode_rows: int | None = None) -> float:
         from tiny_llm.cpu_kernels import kernel_forward, linear, linears
 
         import mlx.core as mx
 
-        xs = {d: mx.random.normal((tokens, d)) for d in {w.shape[1] for w in self.weights}}
+        xs = {d: mx.random.normal((tokens, d)) for d in {g[0].shape[1] for g in self.groups}}
         x_lm = mx.random.normal((logit_rows, self.lm_head.shape[1]))
         mx.eval(xs, x_lm)
         start = time.perf_counter()

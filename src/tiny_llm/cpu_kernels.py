@@ -29,8 +29,8 @@ dtypes other than float32.
 runs as a chain of about a dozen ops, which made it the costliest op of a decode step
 after the matmuls; its CPU ``exp`` is slow enough that SiLU over a step's MLP rows
 costs more than the matmul next to it at large batches; and its CPU ``rms_norm`` is a
-chain too (about 25 us for one row, 60 of them per step). The extension has each as one
-op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as
+chain too (about 25 us for one row; two per layer and one more per step). The extension
+has each as one op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as
 ``mx.fast.rope`` (``theta = (position * scale) * inv_freq``, ``inv_freq`` from
 ``rope_inv_freq``), ``swiglu`` is ``silu(gate) * up`` and ``rms_norm`` is
 ``mx.fast.rms_norm``'s formula. Inside ``kernel_forward`` they serve every CPU float32
