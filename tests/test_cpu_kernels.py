@@ -226,6 +226,13 @@ def kernel_calls(monkeypatch, ext):
             return ext.linear_group(x, weights, blas=blas)
 
         @staticmethod
+        def quantized_linear_group(x, weights, scales, biases, group_size, bits, blas=False):
+            calls.append(("quantized", x.shape[0]))
+            calls.weights.append(len(weights))
+            return ext.quantized_linear_group(x, weights, scales, biases, group_size, bits,
+                                              blas=blas)
+
+        @staticmethod
         def rope(x, *args):
             calls.append(("rope", x.shape[0]))
             return ext.rope(x, *args)
@@ -484,3 +491,181 @@ def test_a_model_built_on_one_thread_serves_on_another(smollm_tokenizer):
     thread.start()
     thread.join(timeout=120)
     assert not failures, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# quantized linear layers: the decode kernel reads MLX's affine layout (packed uint32, scales,
+# biases) directly; the oracle is the same product in float64 over the dequantized weights.
+
+
+def quantized(n: int, k: int, group_size: int, bits: int, seed: int):
+    w = mx.random.normal((n, k), key=mx.random.key(seed))
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+def dequantized_oracle(x: mx.array, packed, group_size: int, bits: int) -> np.ndarray:
+    return oracle(x, mx.dequantize(*packed, group_size=group_size, bits=bits))
+
+
+QFORMATS = [(32, 4), (64, 4), (128, 4), (32, 8), (64, 8), (128, 8)]
+
+
+@pytest.mark.parametrize("group_size, bits", QFORMATS)
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (3, 7, 256), (5, 37, 384), (70, 19, 640)])
+def test_quantized_matches_float64_oracle_and_mlx(ext, group_size, bits, m, n, k):
+    x = mx.random.normal((m, k), key=mx.random.key(m + k))
+    packed = quantized(n, k, group_size, bits, seed=n)
+    want = dequantized_oracle(x, packed, group_size, bits)
+    scale = np.abs(want).max()
+    got = ext.quantized_linear_group(x, [packed[0]], [packed[1]], [packed[2]], group_size, bits)
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=0, atol=2e-6 * k * scale / 8)
+    mlx = mx.quantized_matmul(x, *packed, transpose=True, group_size=group_size, bits=bits)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(mlx), rtol=0,
+                               atol=2e-6 * k * scale / 8)
+    if ext.has_blas_split:
+        split = ext.quantized_linear_group(x, [packed[0]], [packed[1]], [packed[2]], group_size,
+                                           bits, blas=True)
+        np.testing.assert_allclose(np.asarray(split[0]), want, rtol=0, atol=2e-6 * k * scale / 8)
+
+
+@pytest.mark.parametrize("group_size, bits", [(32, 4), (64, 8)])
+def test_a_quantized_row_does_not_depend_on_the_other_rows(ext, group_size, bits):
+    """Each row alone, in batches of every size up to 9 (every tile remainder), and in a call
+    that multiplies several weights at once: the same bits."""
+    k = 576
+    x = mx.random.normal((9, k), key=mx.random.key(4))
+    parts = [quantized(n, k, group_size, bits, seed=n) for n in (50, 7)]
+    weights, scales, biases = ([p[i] for p in parts] for i in range(3))
+    alone = [np.concatenate([np.asarray(ext.quantized_linear_group(
+        x[i:i + 1], [w], [s], [b], group_size, bits)[0]) for i in range(9)])
+        for w, s, b in zip(weights, scales, biases, strict=True)]
+    for m in range(1, 10):
+        together = ext.quantized_linear_group(x[:m], weights, scales, biases, group_size, bits)
+        for got, want in zip(together, alone, strict=True):
+            assert np.array_equal(np.asarray(got), want[:m]), m
+    reversed_rows = ext.quantized_linear_group(x[::-1], weights, scales, biases, group_size,
+                                               bits)
+    assert np.array_equal(np.asarray(reversed_rows[0])[::-1], alone[0])
+
+
+def test_a_bad_quantized_call_is_refused(ext):
+    x = mx.zeros((2, 64))
+    w, s, b = quantized(8, 64, 32, 4, seed=1)
+    call = ext.quantized_linear_group
+    with pytest.raises(ValueError, match="4 and 8 bits"):
+        call(x, [w], [s], [b], 32, 3)
+    with pytest.raises(ValueError, match="4 and 8 bits"):
+        call(x, [w], [s], [b], 16, 4)
+    with pytest.raises(ValueError, match=r"packed uint32 weights \[N, K \* bits / 32\]"):
+        call(mx.zeros((2, 128)), [w], [s], [b], 32, 4)
+    with pytest.raises(ValueError, match=r"scales and biases \[N, K / group\]"):
+        call(x, [w], [s.astype(mx.float16)], [b], 32, 4)
+    with pytest.raises(ValueError, match="each with its scales and biases"):
+        call(x, [w], [s], [], 32, 4)
+    assert ext.quantized_kernel_serves(64, 8) and not ext.quantized_kernel_serves(64, 2)
+
+
+def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
+    """A model quantized with ``nn.quantize`` holds ``QuantizedLinear`` layers; in a step
+    they go through the kernel in one call for q/k/v, and match MLX's own quantized matmul;
+    formats the kernel does not serve take MLX's op."""
+    from tiny_llm.cpu_kernels import Linear, QuantizedLinear, apply_linears, kernel_forward
+
+    import mlx.nn as nn
+
+    layers = [Linear(64, 24, bias=True), Linear(64, 8, bias=False)]
+    holder = nn.Sequential(*layers)
+    nn.quantize(holder, group_size=32, bits=4)
+    q = holder.layers
+    assert all(isinstance(layer, QuantizedLinear) for layer in q)
+    x = mx.random.normal((5, 64), key=mx.random.key(2))
+    with kernel_forward(3):
+        together = apply_linears(x, *q)
+    assert list(kernel_calls) == [("quantized", 3), ("quantized", 2)]
+    assert kernel_calls.weights == [2, 2]
+    for got, layer in zip(together, q, strict=True):
+        want = nn.QuantizedLinear.__call__(layer, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    three_bits = nn.Sequential(Linear(64, 8, bias=False))
+    nn.quantize(three_bits, group_size=32, bits=3)
+    kernel_calls.clear()
+    with kernel_forward(5):
+        got = three_bits.layers[0](x)
+    assert not kernel_calls
+    assert np.array_equal(np.asarray(got), np.asarray(nn.QuantizedLinear.__call__(
+        three_bits.layers[0], x)))
+
+
+QLANES_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include "cpu_qlinear.h"
+extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, int,
+                            const float*, int, float, float*, int) { std::abort(); }
+int main(int argc, char** argv) {
+  const long M = atol(argv[1]), N = atol(argv[2]), K = atol(argv[3]);
+  const int group = atoi(argv[4]), bits = atoi(argv[5]);
+  std::vector<float> x(M * K), s(N * K / group), b(N * K / group), y(M * N);
+  std::vector<uint32_t> w(N * K * bits / 32);
+  uint32_t r = 12345;
+  auto next = [&] { r = r * 1664525u + 1013904223u; return r; };
+  for (auto& v : x) v = (next() >> 8) / 16777216.0f - 0.5f;
+  for (auto& v : s) v = (next() >> 8) / 1677721600.0f;
+  for (auto& v : b) v = -(next() >> 8) / 167772160.0f;
+  for (auto& v : w) v = next();
+  tiny_llm::quantized_linear_cpu(x.data(), {{w.data(), s.data(), b.data(), y.data(), N}}, M, K,
+                                 {group, bits});
+  fwrite(y.data(), sizeof(float), y.size(), stdout);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86_64")
+def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
+    """The quantized kernel built for AVX-512 (where the CPU has it), AVX2 and plain vector
+    extensions (what a Mac compiles, there with NEON): one definition, the same bits."""
+    src = Path(__file__).resolve().parent.parent / "src" / "extensions"
+    (tmp_path / "harness.cpp").write_text(QLANES_HARNESS)
+    targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
+               ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
+    if "avx512dq" in Path("/proc/cpuinfo").read_text():
+        targets.append(("avx512", ["-mavx512f", "-mavx512dq", "-mfma"]))
+    builds = []
+    for name, flags in targets:
+        exe = tmp_path / name
+        subprocess.run(["g++", "-O2", "-std=c++17", *flags, f"-I{src}", "-o", str(exe),
+                        str(tmp_path / "harness.cpp"), str(src / "cpu_qlinear.cpp"),
+                        str(src / "worker_pool.cpp"), "-lpthread"], check=True)
+        builds.append(exe)
+    for m, n, k, group, bits in [(1, 7, 64, 32, 4), (5, 13, 576, 32, 4), (3, 9, 384, 128, 8),
+                                 (70, 33, 256, 64, 4)]:
+        outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(group), str(bits)],
+                               check=True, capture_output=True).stdout for exe in builds]
+        assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (m, n, k)
+
+
+def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_tokenizer):
+    """A 4-bit model (an 8-bit embedding, as the default GGUF): the engine's greedy tokens
+    in a batch equal each request served alone by the same engine and by the reference
+    ``stream_generate`` on MLX's own quantized matmul; its decode rows took the kernel."""
+    from tiny_llm import cpu_kernels
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.models import make_tiny_model
+    from tiny_llm.testing.runs import served_alone, tokens_of, workload
+
+    import mlx.nn as nn
+
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    nn.quantize(model, class_predicate=lambda path, module: hasattr(module, "to_quantized") and {
+        "group_size": 32, "bits": 8 if "embed" in path else 4})
+    assert isinstance(model.model.embed_tokens, cpu_kernels.QuantizedEmbedding)
+    prompts, params = workload(6, seed=3, max_tokens=(4, 12))
+    batched = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64), prompts, params)
+    assert ("quantized", 6) in kernel_calls  # a step of six decode rows
+    for prompt, p, got in zip(prompts, params, batched, strict=True):
+        alone = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64), [prompt], [p])[0]
+        assert got == alone
+        assert got == served_alone(model, smollm_tokenizer, prompt["prompt_token_ids"], p)[0]

@@ -11,6 +11,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_linear.h"
+#include "cpu_qlinear.h"
 #include "cpu_layers.h"
 #include "metal_launch.h"
 #include "mlx/allocator.h"
@@ -49,6 +50,20 @@ void copy_strided(const char* src, char* dst, const mx::Shape& shape,
   }
 }
 
+// `a` itself when it is row-major, else a row-major copy made on the stream (a temporary
+// of the encoder: it lives until the kernel that reads it has run).
+mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
+  if (a.flags().row_contiguous) return a;
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  enc.add_temporary(copy);
+  enc.dispatch([src = a.data<char>(), dst = copy.data<char>(), shape = a.shape(),
+                strides = a.strides(), item = a.itemsize()]() {
+    copy_strided(src, dst, shape, strides, item);
+  });
+  return copy;
+}
+
 void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("tiny_llm paged ops: " + message);
 }
@@ -69,10 +84,14 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  const auto& q = inputs[0];
-  const auto& k = inputs[1];
-  const CpuAttentionShape g{static_cast<int>(inputs[4].shape(0)),
-                            static_cast<int>(inputs[3].shape(1)),
+  // The kernels index plain row-major arrays; a strided input is copied here (a copy
+  // node in the graph for every input would cost a scheduled op even when none is needed).
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(row_major(a, enc));
+  const auto& q = in[0];
+  const auto& k = in[1];
+  const CpuAttentionShape g{static_cast<int>(in[4].shape(0)),
+                            static_cast<int>(in[3].shape(1)),
                             static_cast<int>(q.shape(1)),
                             static_cast<int>(k.shape(2)),
                             static_cast<int>(q.shape(2)),
@@ -80,9 +99,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
                             scale_,
                             tiled_ ? kCpuQueryTile : 1};
   switch (q.dtype()) {
-    case mx::float32: return dispatch_attention<float>(enc, inputs, out, g);
-    case mx::float16: return dispatch_attention<mx::float16_t>(enc, inputs, out, g);
-    case mx::bfloat16: return dispatch_attention<mx::bfloat16_t>(enc, inputs, out, g);
+    case mx::float32: return dispatch_attention<float>(enc, in, out, g);
+    case mx::float16: return dispatch_attention<mx::float16_t>(enc, in, out, g);
+    case mx::bfloat16: return dispatch_attention<mx::bfloat16_t>(enc, in, out, g);
     default: throw std::invalid_argument("paged_attention: unsupported dtype");
   }
 }
@@ -105,7 +124,6 @@ bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
 void PagedKVWrite::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   const auto& pool = inputs[0];
-  const auto& rows = inputs[1];
   auto& out = outputs[0];
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
@@ -127,10 +145,12 @@ void PagedKVWrite::eval_cpu(const std::vector<mx::array>& inputs,
       }
     });
   }
+  const auto rows = row_major(inputs[1], enc);
+  const auto slots = row_major(inputs[2], enc);
   // TASK 4.4: PagedKVWrite::eval_cpu, the row copies — Writing in place
   const int64_t row_bytes = rows.nbytes() / std::max<int64_t>(1, rows.shape(0));
   enc.dispatch([dst = out.data<char>(), src = rows.data<char>(),
-                slots = inputs[2].data<int32_t>(), n = rows.shape(0), row_bytes]() {
+                slots = slots.data<int32_t>(), n = rows.shape(0), row_bytes]() {
     for (int64_t t = 0; t < n; ++t)
       std::memcpy(dst + slots[t] * row_bytes, src + t * row_bytes, row_bytes);
   });
@@ -158,19 +178,6 @@ mx::cpu::CommandEncoder& begin_cpu_eval(const mx::Stream& stream,
   return enc;
 }
 
-// `a` itself when it is row-major, else a row-major copy made on the stream (a temporary
-// of the encoder: it lives until the kernel that reads it has run).
-mx::array row_major(const mx::array& a, mx::cpu::CommandEncoder& enc) {
-  if (a.flags().row_contiguous) return a;
-  mx::array copy(a.shape(), a.dtype(), nullptr, {});
-  copy.set_data(mx::allocator::malloc(copy.nbytes()));
-  enc.add_temporary(copy);
-  enc.dispatch([src = a.data<char>(), dst = copy.data<char>(), shape = a.shape(),
-                strides = a.strides(), item = a.itemsize()]() {
-    copy_strided(src, dst, shape, strides, item);
-  });
-  return copy;
-}
 
 }  // namespace
 
@@ -196,6 +203,33 @@ void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 
 void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/cpu_kernels.py)");
+}
+
+void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
+  const auto x = row_major(inputs[0], enc);
+  std::vector<QuantizedPart> parts;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto w = row_major(inputs[3 * i + 1], enc);
+    const auto scales = row_major(inputs[3 * i + 2], enc);
+    const auto biases = row_major(inputs[3 * i + 3], enc);
+    parts.push_back({w.data<uint32_t>(), scales.data<float>(), biases.data<float>(),
+                     outputs[i].data<float>(), w.shape(0)});
+  }
+  enc.dispatch([x = x.data<float>(), parts = std::move(parts), m = x.shape(0), k = x.shape(1),
+                format = QuantFormat{group_, bits_}, blas = blas_]() {
+    if (blas) {
+      quantized_linear_blas_split(x, parts, m, k, format);
+    } else {
+      quantized_linear_cpu(x, parts, m, k, format);
+    }
+  });
+}
+
+void QuantizedLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "QuantizedLinear: GPU streams use MLX's quantized_matmul (tiny_llm/cpu_kernels.py)");
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -269,15 +303,13 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
         "block_table, context_lens and query_start_loc must be int32");
   auto stream = mx::to_stream(s);
   if (q.shape(0) == 0) return mx::zeros(q.shape(), q.dtype(), stream);
-  auto c = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
   if (stream.device == mx::Device::gpu) {
     return launch_metal(plan_paged_attention(q, k_pages, v_pages, block_table, context_lens,
                                              query_start_loc, scale, tiled, stream),
                         stream)[0];
   }
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, tiled),
-                   {c(q), c(k_pages), c(v_pages), c(block_table), c(context_lens),
-                    c(query_start_loc)});
+                   {q, k_pages, v_pages, block_table, context_lens, query_start_loc});
 }
 
 std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,
@@ -300,6 +332,40 @@ std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& 
   return mx::array::make_arrays(std::move(shapes),
                                 std::vector<mx::Dtype>(weights.size(), mx::float32),
                                 std::make_shared<Linear>(stream, blas), inputs);
+}
+
+std::vector<mx::array> quantized_linear(const mx::array& x,
+                                        const std::vector<mx::array>& weights,
+                                        const std::vector<mx::array>& scales,
+                                        const std::vector<mx::array>& biases, int group,
+                                        int bits, bool blas, mx::StreamOrDevice s) {
+  check(!weights.empty() && scales.size() == weights.size() && biases.size() == weights.size(),
+        "quantized_linear needs one or more weights, each with its scales and biases");
+  check(quantized_kernel_serves({group, bits}),
+        "quantized_linear serves 4 and 8 bits in groups of a multiple of 32");
+  check(x.ndim() == 2 && x.dtype() == mx::float32, "quantized_linear needs float32 x [M, K]");
+  const int64_t K = x.shape(1);
+  check(K % group == 0, "quantized_linear needs K a multiple of the group size");
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto &w = weights[i], &sc = scales[i], &b = biases[i];
+    check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(1) == K * bits / 32,
+          "quantized_linear needs packed uint32 weights [N, K * bits / 32]");
+    const mx::Shape groups{w.shape(0), static_cast<int>(K / group)};
+    check(sc.shape() == groups && b.shape() == groups && sc.dtype() == mx::float32 &&
+              b.dtype() == mx::float32,
+          "quantized_linear needs float32 scales and biases [N, K / group]");
+    shapes.push_back({x.shape(0), w.shape(0)});
+    inputs.insert(inputs.end(), {w, sc, b});
+  }
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "quantized_linear runs on CPU streams only");
+  check(!blas || kHasBlasSplit, "quantized_linear(blas=True) runs on Linux only");
+  return mx::array::make_arrays(std::move(shapes),
+                                std::vector<mx::Dtype>(weights.size(), mx::float32),
+                                std::make_shared<QuantizedLinear>(stream, group, bits, blas),
+                                inputs);
 }
 
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
@@ -365,10 +431,9 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
     };
     return {write(k_pages, k_new), write(v_pages, v_new)};
   }
-  auto c = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
   auto write = [&](const mx::array& pages, const mx::array& rows_new) {
     return mx::array(pages.shape(), pages.dtype(), std::make_shared<PagedKVWrite>(stream),
-                     {pages, c(rows_new), c(slot_mapping)});
+                     {pages, rows_new, slot_mapping});
   };
   return {write(k_pages, k_new), write(v_pages, v_new)};
 }

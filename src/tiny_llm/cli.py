@@ -94,6 +94,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                         default=None, help="on a CPU, run the model on MLX's ops alone")
     engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
+    p.add_argument("--quantized", action="store_true",
+                   help="keep a quantized checkpoint's weights as stored (the default GGUF: 4-bit "
+                        "layers, an 8-bit embedding); on a CPU the default dequantizes to float32")
     p.add_argument("--learner", action="store_true",
                    help="run on your workspace's modules (the course), else the reference")
 
@@ -113,7 +116,8 @@ def load_engine(args: argparse.Namespace):
     EngineConfig.from_options(options)  # reject bad options before the (slow) model load
     start = time.perf_counter()
     print("loading model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_pretrained(args.model, **options)
+    engine = LLMEngine.from_pretrained(args.model, dequantize=False if args.quantized else None,
+                                       **options)
     print(f"loaded in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     return engine
 

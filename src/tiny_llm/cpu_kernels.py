@@ -50,7 +50,7 @@ import functools
 import importlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 from tiny_llm.blas import openblas_threads
@@ -89,12 +89,47 @@ def linears(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     rest by split BLAS, each in one call for all the weights (read in one pass)."""
     if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, *weights):
         return [x @ w.T for w in weights]
-    ext, n = native(), min(_decode_rows.get(), x.shape[0])
-    parts = [ext.linear_group(x[:n], weights)] if n else []
+    ext = native()
+    return _by_row_kind(
+        x, lambda rows: ext.linear_group(rows, weights),
+        lambda rows: (ext.linear_group(rows, weights, blas=True) if split_blas()
+                      else [rows @ w.T for w in weights]))
+
+
+def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
+    """Each quantized layer's matmul (``nn.QuantizedLinear``'s, or a quantized embedding's
+    ``as_linear``) of ``x``, the layers of one format; in a step on the CPU, decode rows by
+    the extension's kernel from the packed bytes and the rest by dequantized blocks and
+    split BLAS; formats it does not serve, and everything outside a step, by MLX's
+    ``quantized_matmul``."""
+    first = layers[0]
+    if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or first.get("biases") is None
+            or not kernels_on(x, *(layer.scales for layer in layers))
+            or not native().quantized_kernel_serves(first.group_size, first.bits)):
+        return [mlx_quantized_matmul(x, layer) for layer in layers]
+    ext, fmt = native(), (first.group_size, first.bits)
+    packed = ([layer.weight for layer in layers], [layer.scales for layer in layers],
+              [layer.biases for layer in layers])
+    return _by_row_kind(
+        x, lambda rows: ext.quantized_linear_group(rows, *packed, *fmt),
+        lambda rows: (ext.quantized_linear_group(rows, *packed, *fmt, blas=True) if split_blas()
+                      else [mlx_quantized_matmul(rows, layer) for layer in layers]))
+
+
+def mlx_quantized_matmul(x: mx.array, layer: nn.Module) -> mx.array:
+    return mx.quantized_matmul(x, layer.weight, scales=layer.scales, biases=layer.get("biases"),
+                               transpose=True, group_size=layer.group_size, bits=layer.bits,
+                               mode=layer.mode)
+
+
+def _by_row_kind(x: mx.array, decode: Callable[[mx.array], list[mx.array]],
+                 prefill: Callable[[mx.array], list[mx.array]]) -> list[mx.array]:
+    """The step's decode rows (its first ones) through ``decode``, the rest through
+    ``prefill``, each product's two parts joined."""
+    n = min(_decode_rows.get(), x.shape[0])
+    parts = [decode(x[:n] if n < x.shape[0] else x)] if n else []
     if n < x.shape[0]:
-        rest = x[n:] if n else x
-        parts.append(ext.linear_group(rest, weights, blas=True) if split_blas()
-                     else [rest @ w.T for w in weights])
+        parts.append(prefill(x[n:] if n else x))
     return parts[0] if len(parts) == 1 else [mx.concatenate(ys) for ys in zip(*parts, strict=True)]
 
 
@@ -125,18 +160,53 @@ def split_blas() -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same quantization) whose matmul is ``linears``."""
+    """``nn.Linear`` (same parameters) whose matmul is ``linears``; quantized, it becomes a
+    ``QuantizedLinear``."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return apply_linears(x, self)[0]
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine", quantize_input: bool = False) -> nn.Module:
+        if quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` (same parameters) whose matmul is ``quantized_linears``."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return apply_linears(x, self)[0]
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding``; quantized, it becomes a ``QuantizedEmbedding``."""
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine") -> nn.Module:
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied LM head) is
+    ``quantized_linears``."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_linears(x, [self])[0]
+
+
 def apply_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     """Each layer applied to one input ``x`` (a layer's q, k and v projections, or its gate
-    and up): ``Linear`` layers by one ``linears`` call, others (quantized) by their own."""
-    if not all(isinstance(layer, Linear) for layer in layers):
+    and up), in one call of the kernels where the layers are all ``Linear`` or all
+    ``QuantizedLinear`` of one format; otherwise each by its own."""
+    if all(isinstance(layer, Linear) for layer in layers):
+        ys = linears(x, [layer.weight for layer in layers])
+    elif all(isinstance(layer, QuantizedLinear) for layer in layers) and len(
+            {(layer.group_size, layer.bits, layer.mode) for layer in layers}) == 1:
+        ys = quantized_linears(x, list(layers))
+    else:
         return [layer(x) for layer in layers]
-    ys = linears(x, [layer.weight for layer in layers])
     return [y + layer.bias if "bias" in layer else y for y, layer in zip(ys, layers, strict=True)]
 
 

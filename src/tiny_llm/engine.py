@@ -265,11 +265,14 @@ class LLMEngine:
         return SpeculativeDecoding(proposer, policy, self.model.config.vocab_size)
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, **options: Any) -> LLMEngine:
+    def from_pretrained(cls, model: str | None = None, *, dequantize: bool | None = None,
+                        **options: Any) -> LLMEngine:
+        """Load ``model`` (``loader.load``: ``dequantize=False`` keeps quantized weights as
+        stored, the CPU's default being float32) and build an engine over it."""
         from tiny_llm.loader import load
 
         EngineConfig.from_options(options)  # reject bad options before loading weights
-        return cls(*load(model), **options)
+        return cls(*load(model, dequantize=dequantize), **options)
 
     # ------------------------------------------------------------ requests in
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tiny_llm.cpu_kernels import (
+    Embedding,
     Linear,
     RMSNorm,
     apply_linears,
@@ -289,7 +290,7 @@ class TransformerBlock(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = [TransformerBlock(config, i) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

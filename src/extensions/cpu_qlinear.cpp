@@ -1,0 +1,316 @@
+// The CPU matmul of quantized linear layers (see cpu_qlinear.h).
+#include "cpu_qlinear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#include "worker_pool.h"
+
+#if defined(__linux__)
+// MLX's BLAS symbol, as in cpu_linear.cpp (101, 111, 112: RowMajor, NoTrans, Trans).
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
+                            float alpha, const float* a, int lda, const float* b, int ldb,
+                            float beta, float* c, int ldc);
+#endif
+
+namespace tiny_llm {
+
+namespace {
+
+// ANCHOR: qlinear_lanes
+// Sixteen lanes (GCC/Clang vector extensions): one AVX-512 register, two AVX2 registers or
+// four NEON ones. Sixteen packed bytes widen to sixteen int32 lanes: 32 weights at 4 bits
+// (byte j holds weights 2j and 2j + 1 of its 32), 16 at 8 bits.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// a * b + c rounded once, lane by lane. Spelled out because `a * b + c` leaves the choice
+// to the compiler, which may fuse it in one place and not in another: every output must
+// take the same operations whatever tile computes it.
+inline F16 fma16(F16 a, F16 b, F16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 h[3][2];
+  std::memcpy(h[0], &a, 64), std::memcpy(h[1], &b, 64), std::memcpy(h[2], &c, 64);
+  for (int i = 0; i < 2; ++i) h[2][i] = _mm256_fmadd_ps(h[0][i], h[1][i], h[2][i]);
+  std::memcpy(&c, h[2], 64);
+  return c;
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+  float32x4_t q[3][4];
+  std::memcpy(q[0], &a, 64), std::memcpy(q[1], &b, 64), std::memcpy(q[2], &c, 64);
+  for (int i = 0; i < 4; ++i) q[2][i] = vfmaq_f32(q[2][i], q[0][i], q[1][i]);
+  std::memcpy(&c, q[2], 64);
+  return c;
+#else
+  for (int i = 0; i < 16; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
+inline F16 splat(float v) { return F16{} + v; }
+
+// The sixteen lanes summed in a fixed tree: lane i + 8 onto lane i, then i + 4, i + 2, i + 1.
+inline float sum_lanes(F16 v) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+#else
+  float s[16];
+  std::memcpy(s, &v, sizeof s);
+  for (int width = 8; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] += s[i + width];
+  return s[0];
+#endif
+}
+
+// The first `count` (1 .. 16) floats at p, the other lanes zero; nothing past them is read.
+inline F16 load_floats(const float* p, int count) {
+#if defined(__AVX512F__)
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
+#else
+  F16 out{};
+  std::memcpy(&out, p, sizeof(float) * count);
+  return out;
+#endif
+}
+
+// Sixteen bytes zero-extended to int32 lanes (the generic conversion compiles to byte-by-byte
+// moves, hence the instructions where the target has them).
+inline I16 load_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<I16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i halves[2] = {_mm256_cvtepu8_epi32(bytes),
+                             _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+  I16 out;
+  std::memcpy(&out, halves, sizeof out);
+  return out;
+#else
+  U8x16 bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, I16);
+#endif
+}
+// ANCHOR_END: qlinear_lanes
+
+constexpr int kBytesPerChunk = 16;  // one load of packed weights
+
+// ANCHOR: qlinear_rows
+// x as the kernel reads it, made once per call: each row as 16-lane vectors in the order
+// of the packed bytes (at 4 bits, each 32 weights' even elements, then their odd ones),
+// and each group's sum of x (for the bias term b * sum(x)), zero-padded to whole vectors.
+class StagedRows {
+ public:
+  StagedRows(const float* x, int64_t M, int64_t K, QuantFormat format)
+      : row_vectors_(K / 16), groups_(K / format.group), sum_vectors_((groups_ + 15) / 16),
+        x_(M * row_vectors_), sums_(M * sum_vectors_) {
+    const int64_t per_group = format.group / 16;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* row = x + m * K;
+      F16* out = x_.data() + m * row_vectors_;
+      for (int64_t v = 0; v < row_vectors_; ++v)
+        for (int l = 0; l < 16; ++l)
+          out[v][l] = format.bits == 4 ? row[v / 2 * 32 + 2 * l + v % 2] : row[v * 16 + l];
+      F16* sums = sums_.data() + m * sum_vectors_;
+      for (int64_t g = 0; g < groups_; ++g) {
+        F16 sum{};
+        for (int64_t v = 0; v < per_group; ++v) sum += out[g * per_group + v];
+        sums[g / 16][g % 16] = sum_lanes(sum);
+      }
+    }
+  }
+  const F16* x(int64_t m) const { return x_.data() + m * row_vectors_; }
+  const F16* sums(int64_t m) const { return sums_.data() + m * sum_vectors_; }
+  int64_t groups() const { return groups_; }
+
+ private:
+  int64_t row_vectors_, groups_, sum_vectors_;
+  std::vector<F16> x_, sums_;
+};
+// ANCHOR_END: qlinear_rows
+
+// ANCHOR: qlinear_tile
+// One group of one weight row against MR rows of x: v[i] = the lane-wise sum of q * x over
+// the group's packed bytes, in order; the bytes are widened once for all MR rows.
+template <int MR, int BITS>
+inline void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (&v)[MR]) {
+  for (int i = 0; i < MR; ++i) v[i] = F16{};
+  for (int c = 0; c < chunks; ++c, w += kBytesPerChunk) {
+    const I16 q = load_bytes(w);
+    if constexpr (BITS == 4) {
+      const F16 even = __builtin_convertvector(q & 15, F16);
+      const F16 odd = __builtin_convertvector(q >> 4, F16);
+      for (int i = 0; i < MR; ++i) {
+        v[i] = fma16(even, x[i][0], v[i]);
+        v[i] = fma16(odd, x[i][1], v[i]);
+        x[i] += 2;
+      }
+    } else {
+      const F16 all = __builtin_convertvector(q, F16);
+      for (int i = 0; i < MR; ++i) v[i] = fma16(all, *x[i]++, v[i]);
+    }
+  }
+}
+
+// MR rows of x against one weight row. y[m, n] = sum_lanes((even + odd) + bias), where
+// even (odd) accumulates s_g * v_g over the even (odd) groups g in order, and bias is the
+// lane-wise b_g * sum_g(x) over the groups, 16 at a time. Two accumulators keep two groups
+// in flight (one chain of fused multiply-adds waits 4 cycles a link); nothing in it
+// depends on MR or on the other rows.
+template <int MR, int BITS>
+void tile(const StagedRows& rows, int64_t m, const uint8_t* w, const float* scales,
+          const float* biases, int chunks_per_group, float* y, int64_t ldy) {
+  const int64_t groups = rows.groups();
+  const F16 *x[MR], *sums[MR];
+  F16 even[MR] = {}, odd[MR] = {}, v[MR];
+  for (int i = 0; i < MR; ++i) x[i] = rows.x(m + i), sums[i] = rows.sums(m + i);
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    group_sums<MR, BITS>(w, x, chunks_per_group, v);
+    for (int i = 0; i < MR; ++i) even[i] = fma16(splat(scales[g]), v[i], even[i]);
+    group_sums<MR, BITS>(w, x, chunks_per_group, v);
+    for (int i = 0; i < MR; ++i) odd[i] = fma16(splat(scales[g + 1]), v[i], odd[i]);
+  }
+  if (g < groups) {
+    group_sums<MR, BITS>(w, x, chunks_per_group, v);
+    for (int i = 0; i < MR; ++i) even[i] = fma16(splat(scales[g]), v[i], even[i]);
+  }
+  F16 bias[MR] = {};
+  for (int64_t j = 0; j * 16 < groups; ++j) {
+    const F16 b = load_floats(biases + j * 16, static_cast<int>(std::min<int64_t>(16, groups - j * 16)));
+    for (int i = 0; i < MR; ++i) bias[i] = fma16(b, sums[i][j], bias[i]);
+  }
+  for (int i = 0; i < MR; ++i) y[i * ldy] = sum_lanes((even[i] + odd[i]) + bias[i]);
+}
+// ANCHOR_END: qlinear_tile
+
+constexpr int kTileRows = 4;
+
+template <int BITS>
+void rows_against_weight_row(const StagedRows& rows, int64_t m0, int64_t m1,
+                             const uint8_t* w, const float* scales, const float* biases,
+                             int chunks_per_group, float* y, int64_t N) {
+  int64_t m = m0;
+  for (; m + kTileRows <= m1; m += kTileRows)
+    tile<kTileRows, BITS>(rows, m, w, scales, biases, chunks_per_group, y + m * N, N);
+  switch (m1 - m) {
+    case 3: return tile<3, BITS>(rows, m, w, scales, biases, chunks_per_group, y + m * N, N);
+    case 2: return tile<2, BITS>(rows, m, w, scales, biases, chunks_per_group, y + m * N, N);
+    case 1: return tile<1, BITS>(rows, m, w, scales, biases, chunks_per_group, y + m * N, N);
+    default: return;
+  }
+}
+
+// Work items numbered across a call's parts, as in cpu_linear.cpp.
+size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
+  size_t p = 0;
+  while (item >= first[p + 1]) ++p;
+  item -= first[p];
+  return p;
+}
+
+}  // namespace
+
+bool quantized_kernel_serves(QuantFormat format) {
+  return (format.bits == 4 || format.bits == 8) && format.group > 0 && format.group % 32 == 0;
+}
+
+// ANCHOR: qlinear
+void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& parts, int64_t M,
+                          int64_t K, QuantFormat format) {
+  if (!quantized_kernel_serves(format) || K % format.group != 0)
+    throw std::invalid_argument("quantized_linear: unsupported format");
+  const StagedRows rows(x, M, K, format);
+  const int64_t groups = K / format.group;
+  const int64_t row_bytes = K * format.bits / 8;
+  const int chunks_per_group = format.group * format.bits / 8 / kBytesPerChunk;
+  // A work item: up to 64 rows of x against about 32 KiB of packed weight rows.
+  const int64_t block_rows = 64;
+  const int64_t block_weights =
+      std::max<int64_t>(1, 32768 / (row_bytes + 2 * groups * static_cast<int64_t>(sizeof(float))));
+  const int64_t m_blocks = (M + block_rows - 1) / block_rows;
+  std::vector<int64_t> first{0};
+  for (const auto& part : parts)
+    first.push_back(first.back() + m_blocks * ((part.N + block_weights - 1) / block_weights));
+  const double flops = 2.0 * std::min(M, block_rows) * block_weights * K;
+  parallel_for(static_cast<int>(first.back()), flops, [&](int index) {
+    int64_t item = index;
+    const QuantizedPart& part = parts[part_of(first, item)];
+    const int64_t n0 = item / m_blocks * block_weights, mb = item % m_blocks;
+    const int64_t m0 = mb * block_rows, m1 = std::min(M, m0 + block_rows);
+    const auto* bytes = reinterpret_cast<const uint8_t*>(part.w);
+    for (int64_t n = n0; n < std::min(part.N, n0 + block_weights); ++n) {
+      const uint8_t* w = bytes + n * row_bytes;
+      const float *s = part.scales + n * groups, *b = part.biases + n * groups;
+      if (format.bits == 4)
+        rows_against_weight_row<4>(rows, m0, m1, w, s, b, chunks_per_group, part.y + n, part.N);
+      else
+        rows_against_weight_row<8>(rows, m0, m1, w, s, b, chunks_per_group, part.y + n, part.N);
+    }
+  });
+}
+// ANCHOR_END: qlinear
+
+namespace {
+
+// Weight rows n0 .. n1 - 1 of `part` as float32 [n1 - n0, K]: s * q + b, as mx.dequantize.
+void dequantize_rows(const QuantizedPart& part, int64_t n0, int64_t n1, int64_t K,
+                     QuantFormat format, float* out) {
+  const int64_t groups = K / format.group, row_bytes = K * format.bits / 8;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(part.w);
+  for (int64_t n = n0; n < n1; ++n, out += K) {
+    const uint8_t* w = bytes + n * row_bytes;
+    for (int64_t k = 0; k < K; ++k) {
+      const int q = format.bits == 4 ? (w[k / 2] >> (4 * (k % 2))) & 15 : w[k];
+      const int64_t g = n * groups + k / format.group;
+      out[k] = part.scales[g] * static_cast<float>(q) + part.biases[g];
+    }
+  }
+}
+
+}  // namespace
+
+// ANCHOR: qlinear_blas_split
+void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart>& parts,
+                                 int64_t M, int64_t K, QuantFormat format) {
+#if defined(__linux__)
+  if (!quantized_kernel_serves(format) || K % format.group != 0)
+    throw std::invalid_argument("quantized_linear: unsupported format");
+  // Blocks of 64 weight rows: their float32 copy (64 K floats) stays in L2 for the product.
+  constexpr int64_t block = 64;
+  std::vector<int64_t> first{0};
+  for (const auto& part : parts) first.push_back(first.back() + (part.N + block - 1) / block);
+  if (first.back() == 0) return;
+  parallel_for(static_cast<int>(first.back()), 2.0 * M * K * block, [&](int index) {
+    int64_t b = index;
+    const QuantizedPart& part = parts[part_of(first, b)];
+    const int64_t n0 = b * block, n = std::min(part.N, n0 + block) - n0;
+    thread_local std::vector<float> weights;
+    weights.resize(n * K);
+    dequantize_rows(part, n0, n0 + n, K, format, weights.data());
+    cblas_sgemm(101, 111, 112, static_cast<int>(M), static_cast<int>(n), static_cast<int>(K),
+                1.0f, x, static_cast<int>(K), weights.data(), static_cast<int>(K), 0.0f,
+                part.y + n0, static_cast<int>(part.N));
+  });
+#else
+  (void)x, (void)parts, (void)M, (void)K, (void)format;
+  throw std::runtime_error("quantized_linear(blas=True): Linux only");
+#endif
+}
+// ANCHOR_END: qlinear_blas_split
+
+}  // namespace tiny_llm

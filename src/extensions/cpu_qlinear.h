@@ -1,0 +1,47 @@
+// The CPU matmul of quantized linear layers: y [M, N] = x [M, K] @ W^T, where W is stored
+// in MLX's affine layout (what mx.quantize writes and what GGUF's Q4_1 / Q8_0 blocks become
+// in tiny_llm/loader.py): every `group` consecutive weights of a row share a scale s and a
+// bias b, W[n, k] = s * q[n, k] + b, the q packed `32 / bits` to a uint32 from its low bits.
+//
+// The decode kernel never dequantizes: per group it sums q * x, then adds s * that sum and
+// b * (the group's sum of x), so a decode step reads the packed bytes (4-bit: 7x fewer than
+// float32) once for all rows of the call. Each output is one fixed sequence of operations
+// that depends only on K, the group size and the bit width (16 lanes over each group, the
+// groups in order, a fixed tree at the end), never on M or on the other rows: batch
+// invariance by construction, as in cpu_linear.h. Bit widths 4 and 8, groups a multiple of
+// 32 (the formats of the default checkpoint and of mlx-lm's 4- and 8-bit models).
+//
+// Prefill rows are compute-bound: the blas variant dequantizes a block of weight rows into
+// float32 (s * q + b, as mx.dequantize) and multiplies it with MLX's BLAS, the blocks spread
+// over the worker pool (Linux only, like linear_blas_split).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tiny_llm {
+
+// One quantized weight matrix of a call and where its product goes.
+struct QuantizedPart {
+  const uint32_t* w;     // [N, K * bits / 32]
+  const float* scales;   // [N, K / group]
+  const float* biases;   // [N, K / group]
+  float* y;              // [M, N]
+  int64_t N;
+};
+
+struct QuantFormat {
+  int group;
+  int bits;
+};
+
+// Whether the kernels below serve this format (others take MLX's quantized_matmul).
+bool quantized_kernel_serves(QuantFormat format);
+
+void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& parts, int64_t M,
+                          int64_t K, QuantFormat format);
+
+void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart>& parts,
+                                 int64_t M, int64_t K, QuantFormat format);
+
+}  // namespace tiny_llm
