@@ -29,14 +29,33 @@ inline Lanes8 load8(const float* p) {
 
 // A query row against a key row: lane j sums the d with d % 8 == j in increasing d, the
 // lanes are added in a fixed tree, then the last D % 8 products in order.
+inline float sum_tree(Lanes8 part) {
+  return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
 inline float dot(const float* a, const float* b, int D) {
   Lanes8 part = {};
   int d = 0;
   for (; d + 8 <= D; d += 8) part += load8(a + d) * load8(b + d);
-  float sum = ((part[0] + part[4]) + (part[2] + part[6])) +
-              ((part[1] + part[5]) + (part[3] + part[7]));
+  float sum = sum_tree(part);
   for (; d < D; ++d) sum += a[d] * b[d];
   return sum;
+}
+
+// dot(a, k + i * stride, D) for the four keys i = 0..3, side by side: four independent
+// chains of additions in flight instead of one (each key's sums in dot's own order).
+inline void dot4(const float* a, const float* k, int64_t stride, int D, float* out) {
+  Lanes8 part[4] = {};
+  int d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const Lanes8 q = load8(a + d);
+    for (int i = 0; i < 4; ++i) part[i] += q * load8(k + i * stride + d);
+  }
+  for (int i = 0; i < 4; ++i) {
+    float sum = sum_tree(part[i]);
+    for (int e = d; e < D; ++e) sum += a[e] * k[i * stride + e];
+    out[i] = sum;
+  }
 }
 
 // Fold one page of keys into the online softmax of one (query row, head): scores for
@@ -46,30 +65,42 @@ inline float dot(const float* a, const float* b, int D) {
 inline void fold_page(const float* qrow, const float* k, const float* v, int64_t stride, int n,
                       int D, float* score, float& m, float& l, float* acc) {
   // TASK 4.3: fold_page — Folding a page into the online softmax
+  int t = 0;
+  for (; t + 4 <= n; t += 4) dot4(qrow, k + t * stride, stride, D, score + t);
+  for (; t < n; ++t) score[t] = dot(qrow, k + t * stride, D);
   float page_max = -FLT_MAX;
-  for (int t = 0; t < n; ++t) {
-    score[t] = dot(qrow, k + t * stride, D);
-    page_max = std::max(page_max, score[t]);
-  }
+  for (t = 0; t < n; ++t) page_max = std::max(page_max, score[t]);
   const float new_m = std::max(m, page_max);
   const float correction = std::exp(m - new_m);
   m = new_m;
   l *= correction;
-  for (int t = 0; t < n; ++t) {
+  for (t = 0; t < n; ++t) {
     score[t] = std::exp(score[t] - new_m);  // the weight p of key t
     l += score[t];
   }
-  // Eight columns of acc at a time, keys innermost: they stay in a register for the whole
-  // page instead of a store and a reload per key.
+  // Columns of acc with the keys innermost: they stay in registers for the whole page
+  // instead of a store and a reload per key. Sixty-four at a time (eight registers): eight
+  // independent chains of additions, where eight columns alone wait on one.
   int d = 0;
+  for (; d + 64 <= D; d += 64) {
+    Lanes8 a[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) a[c] = load8(acc + d + 8 * c) * correction;
+    for (t = 0; t < n; ++t) {
+      const float p = score[t];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) a[c] += p * load8(v + t * stride + d + 8 * c);
+    }
+    std::memcpy(acc + d, a, sizeof a);
+  }
   for (; d + 8 <= D; d += 8) {
     Lanes8 a = load8(acc + d) * correction;
-    for (int t = 0; t < n; ++t) a += score[t] * load8(v + t * stride + d);
+    for (t = 0; t < n; ++t) a += score[t] * load8(v + t * stride + d);
     std::memcpy(acc + d, &a, sizeof a);
   }
   for (; d < D; ++d) {
     float a = acc[d] * correction;
-    for (int t = 0; t < n; ++t) a += score[t] * v[t * stride + d];
+    for (t = 0; t < n; ++t) a += score[t] * v[t * stride + d];
     acc[d] = a;
   }
   // END TASK
