@@ -58,6 +58,31 @@ inline void dot4(const float* a, const float* k, int64_t stride, int D, float* o
   }
 }
 
+// exp of eight lanes at once (Cephes' single-precision polynomial, within about 2 ulp of
+// std::exp), where a loop of std::exp calls runs one lane at a time: x = n ln 2 + r with
+// |r| <= ln 2 / 2, exp(r) by a polynomial, times 2^n built in the exponent bits. Below -87
+// the lanes give about 1e-38 where std::exp underflows to 0, nothing a softmax can see.
+typedef int32_t Ints8 __attribute__((vector_size(32)));
+
+inline Lanes8 exp8(Lanes8 x) {
+  const Lanes8 lo = Lanes8{} - 87.0f, hi = Lanes8{} + 88.0f;
+  x = x < lo ? lo : (x > hi ? hi : x);
+  const Lanes8 shift = Lanes8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Lanes8 n = (x * 1.44269504088896341f + shift) - shift;
+  const Lanes8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Lanes8 p = Lanes8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const Ints8 bits = (__builtin_convertvector(n, Ints8) + 127) << 23;
+  Lanes8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // Fold one page of keys into the online softmax of one (query row, head): scores for
 // the first `n` keys, then rescale (m, l, acc) to the new running max and add p * V.
 // Both schedules call exactly this, so a row's result does not depend on the schedule
@@ -74,10 +99,15 @@ inline void fold_page(const float* qrow, const float* k, const float* v, int64_t
   const float correction = std::exp(m - new_m);
   m = new_m;
   l *= correction;
-  for (t = 0; t < n; ++t) {
-    score[t] = std::exp(score[t] - new_m);  // the weight p of key t
-    l += score[t];
+  // The weights p of the keys, eight at a time (score has room for a whole last vector).
+  Lanes8 sum = {};
+  for (t = 0; t < n; t += 8) {
+    Lanes8 p = exp8(load8(score + t) - new_m);
+    for (int i = n - t; i < 8; ++i) p[i] = 0.0f;  // lanes past the last key
+    std::memcpy(score + t, &p, sizeof p);
+    sum += p;
   }
+  l += sum_tree(sum);
   // Columns of acc with the keys innermost: they stay in registers for the whole page
   // instead of a store and a reload per key. Sixty-four at a time (eight registers): eight
   // independent chains of additions, where eight columns alone wait on one.
@@ -123,14 +153,16 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
   constexpr bool kIsFloat = std::is_same_v<T, float>;
+  const int score_len = (ps + 7) / 8 * 8;  // whole vectors of eight (fold_page's exp8)
   thread_local std::vector<float> buf;
-  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + ps + (kIsFloat ? 0 : 2 * ps * D)), 0.0f);
+  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + score_len + (kIsFloat ? 0 : 2 * ps * D)),
+             0.0f);
   float* qf = buf.data();
   float* acc = qf + R * D;
   float* m = acc + R * D;
   float* l = m + R;
   float* score = l + R;
-  float* kv_f = score + ps;  // the page converted to float (half/bfloat pages only)
+  float* kv_f = score + score_len;  // the page converted to float (half/bfloat pages only)
   for (int r = 0; r < rows; ++r)
     for (int x = 0; x < G * D; ++x)
       qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
