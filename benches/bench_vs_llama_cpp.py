@@ -15,12 +15,18 @@ Each round, in turn (``--rounds``, default 3; medians):
 - **llama.cpp**: ``llama-bench -m <the default GGUF> -p 512 -n 64 -t <cores>``: prompt
   processing of 512 tokens and generation of 64, with the file's own weights (Q4_1 linear
   layers, a Q8_0 embedding: about 92 MB read per token) on every core;
-- **the engine**: the default engine on the same file (dequantized to float32 on the CPU,
-  538 MB per token), one request: a 512-token prompt, then 64 new tokens, greedy. Prefill
-  tok/s = 512 / the prompt's step time; decode tok/s = 63 / the time of the other steps.
+- **the engine, float32**: the default engine on the same file (dequantized to float32 on
+  the CPU, 538 MB per token), one request: a 512-token prompt, then 64 new tokens, greedy.
+  Prefill tok/s = 512 / the prompt's step time; decode tok/s = 63 / the time of the other
+  steps;
+- **the engine, as stored**: the same, the file's weights kept as they are stored
+  (``load(dequantize=False)``, ``--quantized`` on the command line): the decode rows read
+  the packed 4- and 8-bit bytes (the extension's ``quantized_linear``), the prompt's rows
+  dequantize blocks for OpenBLAS.
 
-Both use every core; the weights are the same numbers in two formats, so the table gives
-each side's bytes per token next to its speed.
+All use every core. The table gives each one's bytes per token next to its speed, and its
+decode step against the memory bound: those bytes once at the copy bandwidth measured in
+the run.
 
     python benches/bench_vs_llama_cpp.py --llama-bench PATH          # about a minute
     python benches/bench_vs_llama_cpp.py --llama-bench PATH --quick  # writes *_quick.*
@@ -39,10 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.loader import default_model_path
+from tiny_llm.loader import default_model_path, load
 
 from bench_model import decode_bytes_per_token
-from common import Table, bench_parser, goals_table, greedy, load_model, save_results, spread
+from common import (
+    Table,
+    bench_parser,
+    copy_bandwidth,
+    goals_table,
+    greedy,
+    load_model,
+    save_results,
+    spread,
+)
 from mlx.utils import tree_flatten
 
 NAME = "bench_vs_llama_cpp"
@@ -74,32 +89,42 @@ def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int
     return dict(prefill_tok_s=prompt / times[0], decode_tok_s=(new - 1) / sum(times[1:]))
 
 
+ROWS = (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine"),
+        ("engine (GGUF weights as stored)", "engine_quantized"))
+
+
 def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
     rows = []
-    for label, key in (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine")):
+    for label, key in ROWS:
         r = res[key]
+        bound_ms = r["bytes_per_token"] / data["copy_bandwidth"] * 1e3
         rows.append([label, r["bytes_per_token"] / 1e6, r["prefill_tok_s"], r["decode_tok_s"],
+                     bound_ms / (1e3 / r["decode_tok_s"]),
                      r["prefill_tok_s"] / res["llama"]["prefill_tok_s"],
                      r["decode_tok_s"] / res["llama"]["decode_tok_s"]])
     return Table(
         title=f"One request, {data['model']}: the engine and llama.cpp on the same GGUF file",
         headers=["", "MB read per token", "prefill tok/s", "decode tok/s",
-                 "prefill / llama.cpp", "decode / llama.cpp"],
-        rows=rows, formats=["", ".0f", ".1f", ".1f", ".2f", ".2f"],
+                 "decode at memory bound", "prefill / llama.cpp", "decode / llama.cpp"],
+        rows=rows, formats=["", ".0f", ".1f", ".1f", ".0%", ".2f", ".2f"],
         note=(f"A {data['prompt']}-token prompt, then {data['new']} new tokens, one request, "
               f"{data['cores']} threads each. llama.cpp: llama-bench (pp{data['prompt']}, "
               f"tg{data['new']}) with the file's weights; its MB per token is the file's size. "
-              "The engine: the defaults, weights dequantized to float32. Medians of "
-              f"{data['rounds']} rounds; ratios of medians."),
+              "The engine: the defaults, weights dequantized to float32, or kept as stored "
+              "(4-bit layers, an 8-bit embedding). Decode at memory bound: the MB per token "
+              f"at the copy bandwidth ({data['copy_bandwidth'] / 1e9:.1f} GB/s) over the "
+              f"decode step. Medians of {data['rounds']} rounds; ratios of medians."),
     )
 
 
 def make_goals(res: dict[str, Any]) -> Table:
-    ratios = {kind: res["engine"][f"{kind}_tok_s"] / res["llama"][f"{kind}_tok_s"]
-              for kind in ("prefill", "decode")}
-    return goals_table("The goal next to llama.cpp: one request, ahead on the same GGUF", [
-        (f"{kind} faster than llama.cpp", f"{ratio:.2f}x llama.cpp's tok/s", ratio > 1)
-        for kind, ratio in ratios.items()])
+    goals = []
+    for label, key in ROWS[1:]:
+        for kind in ("prefill", "decode"):
+            ratio = res[key][f"{kind}_tok_s"] / res["llama"][f"{kind}_tok_s"]
+            goals.append((f"{label}: {kind} faster than llama.cpp",
+                          f"{ratio:.2f}x llama.cpp's tok/s", ratio > 1))
+    return goals_table("The goal next to llama.cpp: one request, ahead on the same GGUF", goals)
 
 
 def main() -> None:
@@ -113,19 +138,23 @@ def main() -> None:
     if args.quick and "--rounds" not in sys.argv:
         args.rounds = 1
     prompt, new = (64, 8) if args.quick else (512, 64)
-    model, tokenizer, model_name = load_model(False)  # the GGUF is llama.cpp's input too
+    model, tokenizer, _ = load_model(False)  # the GGUF is llama.cpp's input too
+    stored = load(None, dequantize=False)[0]
     gguf = default_model_path()
-    params = dict(tree_flatten(model.parameters()))
-    c = model.config
-    run_engine(model, tokenizer, 16, 2, seed=99)  # warmup
-    rounds: dict[str, list[dict[str, float]]] = {"llama": [], "engine": []}
+    model_name = gguf.name.split(".")[0]  # both formats of SmolLM2-135M-Instruct
+    bandwidth = copy_bandwidth()
+    engines = {"engine": model, "engine_quantized": stored}
+    for m in engines.values():
+        run_engine(m, tokenizer, 16, 2, seed=99)  # warmup
+    keys = ["llama", *engines]
+    rounds: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for key in ("llama", "engine") if r % 2 == 0 else ("engine", "llama"):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # the order rotates
             out = (run_llama_cpp(args.llama_bench, gguf, prompt, new) if key == "llama"
-                   else run_engine(model, tokenizer, prompt, new, seed=r))
+                   else run_engine(engines[key], tokenizer, prompt, new, seed=r))
             rounds[key].append(out)
-            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {key:6s} prefill "
+            print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {key:16s} prefill "
                   f"{out['prefill_tok_s']:7.1f} tok/s, decode {out['decode_tok_s']:6.1f} tok/s",
                   flush=True)
     res: dict[str, Any] = {}
@@ -133,10 +162,13 @@ def main() -> None:
         res[key] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
         res[key]["decode_rounds"] = spread([x["decode_tok_s"] for x in runs])
     res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
-    res["engine"]["bytes_per_token"] = decode_bytes_per_token(params, c.vocab_size,
-                                                              c.tie_word_embeddings)
+    c = model.config
+    for key, m in engines.items():
+        res[key]["bytes_per_token"] = decode_bytes_per_token(
+            dict(tree_flatten(m.parameters())), c.vocab_size, c.tie_word_embeddings)
     data = {"model": model_name, "gguf": gguf.name, "prompt": prompt, "new": new,
             "cores": os.cpu_count(), "rounds": args.rounds, "results": res,
+            "copy_bandwidth": bandwidth,
             "wall_s": time.perf_counter() - t0}
     save_results(NAME + ("_quick" if args.quick else ""), data,
                  [make_table(res, data), make_goals(res)], rounds=args.rounds)
