@@ -36,6 +36,15 @@ has each as one op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the sa
 ``mx.fast.rms_norm``'s formula. Inside ``kernel_forward`` they serve every CPU float32
 row.
 
+**Quantized weights as stored** (``load(dequantize=False)``, ``--quantized``): a
+``QuantizedLinear`` (and a tied ``QuantizedEmbedding`` head) in MLX's affine layout takes
+``quantized_linears``, the same split by rows: decode rows by the extension's
+``quantized_linear`` (``src/extensions/cpu_qlinear.cpp``), which reads the packed bytes
+once for all the rows of the call (a 4-bit model's step reads about a fifth of float32's
+bytes) in an order that depends on nothing but K, the group size and the bit width;
+prefill rows by blocks dequantized to float32 for the split BLAS. It serves 4 and 8 bits
+in groups of a multiple of 32; other formats take MLX's ``quantized_matmul``.
+
 **One pass for a layer's projections.** ``apply_linears(x, q_proj, k_proj, v_proj)`` (and
 gate with up) multiplies one input by several weights in one call of the kernels: one run
 of the worker pool for all their blocks, so the small k and v matrices do not each end
