@@ -193,7 +193,9 @@ class Embedding(nn.Embedding):
     """``nn.Embedding``; quantized, it becomes a ``QuantizedEmbedding``."""
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None,
-                     mode: str = "affine") -> nn.Module:
+                     mode: str = "affine", quantize_input: bool = False) -> nn.Module:
+        if quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
 
 
