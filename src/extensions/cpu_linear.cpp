@@ -13,13 +13,6 @@
 
 #include "worker_pool.h"
 
-#if defined(__linux__)
-// MLX's own symbol: the OpenBLAS shim's when tiny_llm/blas.py has loaded it, else the
-// reference BLAS of the mlx wheel. 101, 111, 112: CblasRowMajor, CblasNoTrans, CblasTrans.
-extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
-                            float alpha, const float* a, int lda, const float* b, int ldb,
-                            float beta, float* c, int ldc);
-#endif
 
 namespace tiny_llm {
 
@@ -226,15 +219,6 @@ void block(const float* x, const float* w, float* y, int64_t m0, int64_t m1, int
         weight_tile<kTileWeights>(x, w + n * K, y + n, m, m_end, N, plan);
     for (; n < n1; ++n) weight_tile<1>(x, w + n * K, y + n, m, m_end, N, plan);
   }
-}
-
-// A call's work items, numbered across its parts: part p owns items first[p] ..
-// first[p + 1] - 1. Returns the part of `item` and makes `item` its number within it.
-size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
-  size_t p = 0;
-  while (item >= first[p + 1]) ++p;
-  item -= first[p];
-  return p;
 }
 
 // x as each part's kernel reads it: its rows start where that part's weight rows do,

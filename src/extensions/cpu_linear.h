@@ -13,6 +13,7 @@
 // pool starts once and a small matrix's few blocks do not leave a thread idle at its end.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -32,6 +33,16 @@ void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M,
 // for prefill without OpenBLAS's own threads, which spin waiting for each other and
 // collapse when another process holds a core. A block goes to whichever thread asks, so a
 // thread kept off its core only takes fewer blocks. Linux only (kHasBlasSplit).
+// A call's work items, numbered across its parts (its weight matrices): part p owns items
+// first[p] .. first[p + 1] - 1. Returns the part of `item` and makes `item` its number
+// within it (the linear kernels here and in cpu_qlinear.h share it).
+inline size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
+  size_t p = 0;
+  while (item >= first[p + 1]) ++p;
+  item -= first[p];
+  return p;
+}
+
 #if defined(__linux__)
 constexpr bool kHasBlasSplit = true;
 #else
@@ -41,3 +52,11 @@ void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int
                        int64_t K);
 
 }  // namespace tiny_llm
+
+#if defined(__linux__)
+// MLX's own symbol: the OpenBLAS shim's when tiny_llm/blas.py has loaded it, else the
+// reference BLAS of the mlx wheel. 101, 111, 112: CblasRowMajor, CblasNoTrans, CblasTrans.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
+                            float alpha, const float* a, int lda, const float* b, int ldb,
+                            float beta, float* c, int ldc);
+#endif

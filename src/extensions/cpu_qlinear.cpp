@@ -13,14 +13,9 @@
 #include <arm_neon.h>
 #endif
 
+#include "cpu_linear.h"
 #include "worker_pool.h"
 
-#if defined(__linux__)
-// MLX's BLAS symbol, as in cpu_linear.cpp (101, 111, 112: RowMajor, NoTrans, Trans).
-extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
-                            float alpha, const float* a, int lda, const float* b, int ldb,
-                            float beta, float* c, int ldc);
-#endif
 
 namespace tiny_llm {
 
@@ -213,14 +208,6 @@ void rows_against_weight_row(const StagedRows& rows, int64_t m0, int64_t m1,
     case 1: return tile<1, BITS>(rows, m, w, scales, biases, chunks_per_group, y + m * N, N);
     default: return;
   }
-}
-
-// Work items numbered across a call's parts, as in cpu_linear.cpp.
-size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
-  size_t p = 0;
-  while (item >= first[p + 1]) ++p;
-  item -= first[p];
-  return p;
 }
 
 }  // namespace
