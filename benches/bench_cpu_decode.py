@@ -9,7 +9,11 @@ prefix caching off) serves ``B`` requests of 16 random prompt tokens at once,
 - ``MLX ops``: ``cpu_kernels=False``, every matmul by MLX's matmul (OpenBLAS on one
   thread), RoPE by ``mx.fast.rope`` (what the engine did before the CPU kernels);
 - ``kernels``: the default, ``cpu_kernels=True`` (``tiny_llm/cpu_kernels.py``): decode rows
-  by the extension's decode matmul on the worker pool, RoPE by its one-op rope.
+  by the extension's decode matmul on the worker pool, RoPE by its one-op rope;
+- ``as stored``: the kernels on the file's weights as they are stored (``load(dequantize=
+  False)``, ``--quantized`` on the command line: 4-bit layers, an 8-bit embedding; with
+  ``--quick`` the tiny model quantized the same way), decode rows by the extension's
+  quantized matmul. Its bytes per step are those of the packed weights.
 
 Once every request is decoding, ``--steps`` (16) decode steps are timed one by one
 (``engine.step()``, wall clock); the median is the step time. Right after, the model's
@@ -27,13 +31,14 @@ Bounds, measured in the same run:
   GEMM rate measured here: one 1024 x 1024 x 1024 product by OpenBLAS split over every
   core (the extension's ``linear(..., blas=True)``). The one-thread rate is reported too.
 
-Reported per ``B``: ms/step of both engines and their ratio, output tok/s (``B`` / step
-time), the GEMMs-alone times, the weight bytes streamed per second during the kernels'
-step (bytes per step / step time) and that as a fraction of the copy bandwidth, and the
-kernels' step time over each bound. ``--rounds`` rounds (default 3), batch sizes and
-engines in alternating order; medians.
+Reported per ``B``: ms/step of the three engines, the kernels' speedup over MLX ops,
+output tok/s (``B`` / step time), the GEMMs-alone times, the weight bytes streamed per
+second during the kernels' step (bytes per step / step time) and that as a fraction of the
+copy bandwidth, and the kernels' step time over each bound; then the as-stored engine's
+step against the float32 kernels' and against its own memory bound. ``--rounds`` rounds
+(default 3), batch sizes and engines in alternating order; medians.
 
-    python benches/bench_cpu_decode.py          # about 3 minutes on 2 cores
+    python benches/bench_cpu_decode.py          # about 4 minutes on 2 cores
     python benches/bench_cpu_decode.py --quick  # tiny random model, writes *_quick.*
 """
 
@@ -115,21 +120,39 @@ def matmul_params(model: Any) -> int:
     return linear + head
 
 
-ENGINES = {"MLX ops": False, "kernels": True}  # label -> cpu_kernels
+# label -> (cpu_kernels, the weights as stored rather than float32)
+ENGINES = {"MLX ops": (False, False), "kernels": (True, False), "as stored": (True, True)}
+
+
+def stored_model(quick: bool) -> Any:
+    """The default GGUF's weights as stored, or the tiny random model quantized as it is."""
+    from tiny_llm.loader import load
+
+    import mlx.nn as nn
+
+    if not quick:
+        return load(None, dequantize=False)[0]
+    model = load_model(True)[0]
+    nn.quantize(model, class_predicate=lambda path, module: hasattr(module, "to_quantized")
+                and {"group_size": 32, "bits": 8 if "embed" in path else 4})
+    return model
 
 
 def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
     return Table(
         title=f"Decode against batch size, {data['model']}: MLX ops against the CPU kernels, "
-              "and the bounds",
+              "and the bounds; the kernels on the weights as stored",
         headers=["batch", "ms/step MLX ops", "ms/step kernels", "kernels speedup",
                  "kernels tok/s", "GEMMs alone ms MLX", "GEMMs alone ms kernels",
                  "kernels weights GB/s", "of copy bandwidth", "step / memory bound",
-                 "step / compute bound"],
+                 "step / compute bound", "ms/step as stored", "as stored / kernels",
+                 "as stored / its memory bound"],
         rows=[[r["batch"], r["mlx_step_ms"], r["step_ms"], r["speedup"], r["tok_s"],
                r["mlx_gemm_ms"], r["gemm_ms"], r["weights_GBps"], r["of_bandwidth"],
-               r["vs_memory_bound"], r["vs_compute_bound"]] for r in rows],
-        formats=["", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f"],
+               r["vs_memory_bound"], r["vs_compute_bound"], r["stored_step_ms"],
+               r["stored_vs_kernels"], r["stored_vs_memory_bound"]] for r in rows],
+        formats=["", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f",
+                 ".1f", ".2f", ".2f"],
         note=(
             f"Engine defaults (paged KV, tiled kernel, prefix caching off), max_num_seqs = "
             f"batch, {PROMPT_TOKENS}-token prompts; ms/step: median of {data['steps']} decode "
@@ -140,7 +163,10 @@ def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
             f"{data['matmul_params'] / 1e6:.0f}M matmul weights x 2 flops x batch at "
             f"{data['gemm_all_cores_GFLOPs']:.1f} GFLOP/s (one 1024^3 float32 product, OpenBLAS "
             f"split over every core; on one thread: {data['gemm_GFLOPs']:.1f}). GEMMs alone: "
-            "the step's matmuls at batch rows on random inputs, as each engine runs them."
+            "the step's matmuls at batch rows on random inputs, as each engine runs them. "
+            "As stored: the kernels on the packed weights, "
+            f"{data['stored_bytes_per_step'] / 1e6:.0f} MB a step, so a memory bound of "
+            f"{data['stored_memory_bound_ms']:.1f} ms."
         ),
     )
 
@@ -172,12 +198,15 @@ def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(b, [r["batch"] / r["mlx_step_ms"] * 1e3 for r in rows], "o-", label="MLX ops")
     ax1.plot(b, [r["tok_s"] for r in rows], "o-", label="kernels")
+    ax1.plot(b, [r["batch"] / r["stored_step_ms"] * 1e3 for r in rows], "o-",
+             label="kernels, as stored")
     ax1.plot(b, b / (data["memory_bound_ms"] / 1e3), "k--", label="memory bound")
     compute_s = 2 * data["matmul_params"] / (data["gemm_all_cores_GFLOPs"] * 1e9)
     ax1.plot(b, np.full(len(b), 1 / compute_s), "k:", label="compute bound")
     ax1.set_title("decode output tok/s")
     ax2.plot(b, [r["mlx_step_ms"] for r in rows], "o-", label="step, MLX ops")
     ax2.plot(b, [r["step_ms"] for r in rows], "o-", label="step, kernels")
+    ax2.plot(b, [r["stored_step_ms"] for r in rows], "o-", label="step, as stored")
     ax2.plot(b, [r["mlx_gemm_ms"] for r in rows], "s--", label="GEMMs alone, MLX")
     ax2.plot(b, [r["gemm_ms"] for r in rows], "s--", label="GEMMs alone, kernels")
     ax2.axhline(data["memory_bound_ms"], color="k", linestyle="--", label="memory bound")
@@ -187,7 +216,7 @@ def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
         ax.set_yscale("log")
         ax.set_xlabel("batch (requests decoding)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"{data['model']}, CPU, float32")
+    fig.suptitle(f"{data['model']}, CPU")
     fig.tight_layout()
     return fig
 
@@ -203,23 +232,28 @@ def main() -> None:
     params = dict(tree_flatten(model.parameters()))
     c = model.config
     bytes_per_step = decode_bytes_per_token(params, c.vocab_size, c.tie_word_embeddings)
+    stored = stored_model(args.quick)
+    stored_bytes = decode_bytes_per_token(dict(tree_flatten(stored.parameters())),
+                                          c.vocab_size, c.tie_word_embeddings)
+    models = {label: stored if packed else model for label, (_, packed) in ENGINES.items()}
     probe = GemmProbe(model)
-    for cpu_kernels in ENGINES.values():  # warmup: first-call costs, thread pools
-        decode_steps(model, tokenizer, 2, 2, seed=0, cpu_kernels=cpu_kernels)
+    for label, (cpu_kernels, _) in ENGINES.items():  # warmup: first calls, thread pools
+        decode_steps(models[label], tokenizer, 2, 2, seed=0, cpu_kernels=cpu_kernels)
     t0 = time.perf_counter()
     runs = {(b, e): {"step": [], "gemm": []} for b in batches for e in ENGINES}
     bandwidths, rates, split_rates = [], [], []
     for r in range(args.rounds):
         for batch in batches if r % 2 == 0 else batches[::-1]:
             for label in ENGINES if (r + batch) % 2 == 0 else list(ENGINES)[::-1]:
-                kernels = ENGINES[label]
+                kernels, packed = ENGINES[label]
                 run = runs[batch, label]
                 run["step"].append(statistics.median(decode_steps(
-                    model, tokenizer, batch, args.steps, seed=r, cpu_kernels=kernels)))
-                run["gemm"].append(statistics.median(
-                    probe.time(batch, batch, batch if kernels else None) for _ in range(5)))
+                    models[label], tokenizer, batch, args.steps, seed=r, cpu_kernels=kernels)))
+                if not packed:  # the probe's random weights are float32
+                    run["gemm"].append(statistics.median(
+                        probe.time(batch, batch, batch if kernels else None) for _ in range(5)))
                 print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: batch {batch:3d} "
-                      f"{label:8s} {1e3 * run['step'][-1]:7.1f} ms/step", flush=True)
+                      f"{label:9s} {1e3 * run['step'][-1]:7.1f} ms/step", flush=True)
         bandwidths.append(copy_bandwidth())
         rates.append(gemm_rate())
         split_rates.append(gemm_rate(split=True))
@@ -231,6 +265,7 @@ def main() -> None:
     for batch in batches:
         step = statistics.median(runs[batch, "kernels"]["step"])
         mlx_step = statistics.median(runs[batch, "MLX ops"]["step"])
+        stored_step = statistics.median(runs[batch, "as stored"]["step"])
         rows.append(dict(
             batch=batch, step_ms=1e3 * step, mlx_step_ms=1e3 * mlx_step,
             speedup=mlx_step / step, tok_s=batch / step,
@@ -239,13 +274,18 @@ def main() -> None:
             weights_GBps=bytes_per_step / step / 1e9,
             of_bandwidth=bytes_per_step / step / bandwidth, vs_memory_bound=step / memory_bound,
             vs_compute_bound=step / (flops_per_row * batch / split_rate),
+            stored_step_ms=1e3 * stored_step, stored_vs_kernels=stored_step / step,
+            stored_vs_memory_bound=stored_step / (stored_bytes / bandwidth),
             step_ms_all=[1e3 * x for x in runs[batch, "kernels"]["step"]],
             mlx_step_ms_all=[1e3 * x for x in runs[batch, "MLX ops"]["step"]],
+            stored_step_ms_all=[1e3 * x for x in runs[batch, "as stored"]["step"]],
         ))
     data = {
         "model": model_name, "steps": args.steps, "rounds": args.rounds,
         "bytes_per_step": bytes_per_step, "copy_bandwidth_GBps": bandwidth / 1e9,
         "memory_bound_ms": 1e3 * memory_bound, "matmul_params": matmul_params(model),
+        "stored_bytes_per_step": stored_bytes,
+        "stored_memory_bound_ms": 1e3 * stored_bytes / bandwidth,
         "gemm_GFLOPs": rate / 1e9, "gemm_all_cores_GFLOPs": split_rate / 1e9,
         "openblas_threads": openblas_threads(), "rows": rows,
         "wall_s": time.perf_counter() - t0,
