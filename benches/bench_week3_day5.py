@@ -94,7 +94,7 @@ OpenBLAS runs with one thread (``tiny_llm``'s default unless ``OPENBLAS_NUM_THRE
 set). The script loads a private copy of the built extension (its sha256 is recorded) so
 that a rebuild of ``src/extensions`` during the run cannot crash it.
 
-    python benches/bench_week3_day5.py           # SmolLM2-135M, about 45 minutes on 2 cores
+    python benches/bench_week3_day5.py           # SmolLM2-135M, about 15 minutes on 2 cores
     python benches/bench_week3_day5.py --quick   # tiny random model, writes *_quick.*
 """
 
