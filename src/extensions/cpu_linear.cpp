@@ -174,14 +174,16 @@ inline void tile(const float* x, const float* w, float* y, int64_t ldy, const Do
 
 // MR x NR accumulators, NR weight vectors and one x vector must all stay in registers: with
 // AVX-512's 32 vector registers an 8 x 3 tile (28 of them) reuses each weight vector twice as
-// often as a 4 x 3 one and ran 8-16% faster from 8 to 64 rows on the development machine;
-// AVX2 and NEON code keeps to 4 x 3 (16 registers). The bits are the same either way.
+// often as a 4 x 3 one and ran 8-16% faster from 8 to 64 rows on the development machine.
+// AVX2 (16 registers) and the plain code (on NEON a Vec8 takes two of its 32) keep to 4 x 3.
+// The bits are the same either way.
 #if defined(__AVX512VL__)
 constexpr int kTileRows = 8;     // MR: rows of x per tile
 #else
 constexpr int kTileRows = 4;
 #endif
 constexpr int kTileWeights = 3;  // NR: weight rows per tile
+static_assert(kTileRows <= 8 && kTileWeights <= 8, "the tile's loops are unrolled 8 times");
 // Up to this many rows, the weight rows are read one after another (tiles of NR = 1):
 // memory-bound, a single forward stream per thread ran at 32.7 GB/s on the development
 // machine where three interleaved rows ran at 23.3 (an NR = 3 tile's pattern). Same
