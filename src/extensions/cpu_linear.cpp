@@ -13,7 +13,6 @@
 
 #include "worker_pool.h"
 
-
 namespace tiny_llm {
 
 namespace {

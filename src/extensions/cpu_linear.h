@@ -28,14 +28,9 @@ struct LinearPart {
 
 void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M, int64_t K);
 
-// The same product by the BLAS that MLX's matmul calls (OpenBLAS on Linux, on one thread),
-// one call per block of weight rows, the blocks spread over the worker pool: both cores
-// for prefill without OpenBLAS's own threads, which spin waiting for each other and
-// collapse when another process holds a core. A block goes to whichever thread asks, so a
-// thread kept off its core only takes fewer blocks. Linux only (kHasBlasSplit).
 // A call's work items, numbered across its parts (its weight matrices): part p owns items
 // first[p] .. first[p + 1] - 1. Returns the part of `item` and makes `item` its number
-// within it (the linear kernels here and in cpu_qlinear.h share it).
+// within it (cpu_linear.cpp and cpu_qlinear.cpp share it).
 inline size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
   size_t p = 0;
   while (item >= first[p + 1]) ++p;
@@ -43,6 +38,11 @@ inline size_t part_of(const std::vector<int64_t>& first, int64_t& item) {
   return p;
 }
 
+// The same product by the BLAS that MLX's matmul calls (OpenBLAS on Linux, on one thread),
+// one call per block of weight rows, the blocks spread over the worker pool: both cores
+// for prefill without OpenBLAS's own threads, which spin waiting for each other and
+// collapse when another process holds a core. A block goes to whichever thread asks, so a
+// thread kept off its core only takes fewer blocks. Linux only (kHasBlasSplit).
 #if defined(__linux__)
 constexpr bool kHasBlasSplit = true;
 #else

@@ -16,7 +16,6 @@
 #include "cpu_linear.h"
 #include "worker_pool.h"
 
-
 namespace tiny_llm {
 
 namespace {
