@@ -42,28 +42,49 @@ inline float dot(const float* a, const float* b, int D) {
   return sum;
 }
 
-// dot(a, k + i * stride, D) for the four keys i = 0..3, side by side: four independent
-// chains of additions in flight instead of one (each key's sums in dot's own order).
-inline void dot4(const float* a, const float* k, int64_t stride, int D, float* out) {
-  Lanes8 part[4] = {};
-  int d = 0;
-  for (; d + 8 <= D; d += 8) {
-    const Lanes8 q = load8(a + d);
-    for (int i = 0; i < 4; ++i) part[i] += q * load8(k + i * stride + d);
-  }
-  for (int i = 0; i < 4; ++i) {
-    float sum = sum_tree(part[i]);
-    for (int e = d; e < D; ++e) sum += a[e] * k[i * stride + e];
-    out[i] = sum;
-  }
+// Lanes I... of the sixteen lanes of x then y.
+typedef int32_t Ints8 __attribute__((vector_size(32)));
+
+template <int... I>
+inline Lanes8 pick(Lanes8 x, Lanes8 y) {
+#if defined(__clang__) || __GNUC__ >= 12
+  return __builtin_shufflevector(x, y, I...);
+#else
+  return __builtin_shuffle(x, y, Ints8{I...});
+#endif
+}
+
+// sum_tree of eight vectors at once (a[0..3], then b[0..3]); lane i is vector i's sum.
+// The same additions of the same lanes as sum_tree, done across the vectors: three
+// rounds of two shuffles and one addition, where eight sum_trees add one lane at a time.
+inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
+  auto fold_halves = [](Lanes8 x, Lanes8 y) {  // lane j + lane j + 4, of x then of y
+    return pick<0, 1, 2, 3, 8, 9, 10, 11>(x, y) + pick<4, 5, 6, 7, 12, 13, 14, 15>(x, y);
+  };
+  auto fold_pairs = [](Lanes8 x, Lanes8 y) {  // (0+4)+(2+6) and (1+5)+(3+7) of each
+    return pick<0, 1, 4, 5, 8, 9, 12, 13>(x, y) + pick<2, 3, 6, 7, 10, 11, 14, 15>(x, y);
+  };
+  const Lanes8 x = fold_pairs(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));
+  const Lanes8 y = fold_pairs(fold_halves(b[0], b[1]), fold_halves(b[2], b[3]));
+  return pick<0, 2, 4, 6, 8, 10, 12, 14>(x, y) + pick<1, 3, 5, 7, 9, 11, 13, 15>(x, y);
+}
+
+// The value itself, made to live in a register: GCC otherwise folds the load into each
+// multiply-add that uses it (a key's vector into every pair's), and on the development
+// machine (Zen 4) the loads, not the multiply-adds, then set the pace.
+inline Lanes8 in_register(Lanes8 a) {
+#if defined(__AVX512VL__)
+  asm("" : "+v"(a));  // any of the 32 vector registers
+#elif defined(__AVX__)
+  asm("" : "+x"(a));
+#endif
+  return a;
 }
 
 // exp of eight lanes at once (Cephes' single-precision polynomial, within about 2 ulp of
 // std::exp), where a loop of std::exp calls runs one lane at a time: x = n ln 2 + r with
 // |r| <= ln 2 / 2, exp(r) by a polynomial, times 2^n built in the exponent bits. Below -87
 // the lanes give about 1e-38 where std::exp underflows to 0, nothing a softmax can see.
-typedef int32_t Ints8 __attribute__((vector_size(32)));
-
 inline Lanes8 exp8(Lanes8 x) {
   const Lanes8 lo = Lanes8{} - 87.0f, hi = Lanes8{} + 88.0f;
   x = x < lo ? lo : (x > hi ? hi : x);
@@ -83,57 +104,128 @@ inline Lanes8 exp8(Lanes8 x) {
   return p * scale;
 }
 
-// Fold one page of keys into the online softmax of one (query row, head): scores for
-// the first `n` keys, then rescale (m, l, acc) to the new running max and add p * V.
-// Both schedules call exactly this, so a row's result does not depend on the schedule
-// or on how the prompt was chunked.
-inline void fold_page(const float* qrow, const float* k, const float* v, int64_t stride, int n,
-                      int D, float* score, float& m, float& l, float* acc) {
+// Pairs folded together by fold_page: as many as the vector registers hold the state of
+// (four keys' scores or 32 columns of acc per pair, and the shared key or value vectors).
+#if defined(__AVX512VL__)
+constexpr int kPairsPerFold = 3;
+#else
+constexpr int kPairsPerFold = 2;
+#endif
+
+// Fold one page of keys into the online softmax of P (query row, head) pairs that all see
+// its first `n` keys: the P query rows q, P running maxima m and sums l, P rows of acc, and
+// P rows of score (score_len floats each, a whole number of vectors of eight). For each
+// pair: the scores, the new running max, the rescale of l and acc, then p * V. Every
+// schedule folds through this, and a pair's arithmetic does not depend on P or on the
+// other pairs, so a row's result does not depend on the schedule or on how the prompt
+// was chunked.
+template <int P>
+inline void fold_page(const float* q, const float* k, const float* v, int64_t stride, int n,
+                      int D, float* score, int score_len, float* m, float* l, float* acc) {
   // TASK 4.3: fold_page — Folding a page into the online softmax
+  // Scores four keys at a time, each in dot's order: every key vector loaded once for the
+  // P pairs, 4 P independent chains of additions in flight.
   int t = 0;
-  for (; t + 4 <= n; t += 4) dot4(qrow, k + t * stride, stride, D, score + t);
-  for (; t < n; ++t) score[t] = dot(qrow, k + t * stride, D);
-  float page_max = -FLT_MAX;
-  for (t = 0; t < n; ++t) page_max = std::max(page_max, score[t]);
-  const float new_m = std::max(m, page_max);
-  const float correction = std::exp(m - new_m);
-  m = new_m;
-  l *= correction;
-  // The weights p of the keys, eight at a time (score has room for a whole last vector).
-  Lanes8 sum = {};
-  for (t = 0; t < n; t += 8) {
-    Lanes8 p = exp8(load8(score + t) - new_m);
-    for (int i = n - t; i < 8; ++i) p[i] = 0.0f;  // lanes past the last key
-    std::memcpy(score + t, &p, sizeof p);
-    sum += p;
-  }
-  l += sum_tree(sum);
-  // Columns of acc with the keys innermost: they stay in registers for the whole page
-  // instead of a store and a reload per key. Sixty-four at a time (eight registers): eight
-  // independent chains of additions, where eight columns alone wait on one.
-  int d = 0;
-  for (; d + 64 <= D; d += 64) {
-    Lanes8 a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) a[c] = load8(acc + d + 8 * c) * correction;
-    for (t = 0; t < n; ++t) {
-      const float p = score[t];
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) a[c] += p * load8(v + t * stride + d + 8 * c);
+  for (; t + 4 <= n; t += 4) {
+    Lanes8 part[P][4] = {};
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+      Lanes8 key[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) key[i] = load8(k + (t + i) * stride + d);
+      if constexpr (P > 1)
+        for (int i = 0; i < 4; ++i) key[i] = in_register(key[i]);  // used P times
+#pragma GCC unroll 4
+      for (int x = 0; x < P; ++x) {
+        const Lanes8 qv = in_register(load8(q + x * D + d));  // used four times
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) part[x][i] += qv * key[i];
+      }
     }
-    std::memcpy(acc + d, a, sizeof a);
+    for (int x = 0; x < P; x += 2) {  // two pairs' sums in one sum_tree8
+      const Lanes8 sums = sum_tree8(part[x], part[x + 1 < P ? x + 1 : x]);
+      for (int y = x; y < std::min(x + 2, P); ++y)
+        for (int i = 0; i < 4; ++i) {
+          float sum = sums[4 * (y - x) + i];
+          for (int e = d; e < D; ++e) sum += q[y * D + e] * k[(t + i) * stride + e];
+          score[y * score_len + t + i] = sum;
+        }
+    }
   }
-  for (; d + 8 <= D; d += 8) {
-    Lanes8 a = load8(acc + d) * correction;
-    for (t = 0; t < n; ++t) a += score[t] * load8(v + t * stride + d);
-    std::memcpy(acc + d, &a, sizeof a);
+  for (; t < n; ++t)
+    for (int x = 0; x < P; ++x) score[x * score_len + t] = dot(q + x * D, k + t * stride, D);
+  float correction[P];
+  for (int x = 0; x < P; ++x) {
+    float* s = score + x * score_len;
+    float page_max = -FLT_MAX;
+    for (t = 0; t < n; ++t) page_max = std::max(page_max, s[t]);
+    const float new_m = std::max(m[x], page_max);
+    correction[x] = std::exp(m[x] - new_m);
+    m[x] = new_m;
+    l[x] *= correction[x];
+    // The weights p of the keys, eight at a time (s has room for a whole last vector).
+    Lanes8 sum = {};
+    for (t = 0; t < n; t += 8) {
+      Lanes8 p = exp8(load8(s + t) - new_m);
+      for (int i = n - t; i < 8; ++i) p[i] = 0.0f;  // lanes past the last key
+      std::memcpy(s + t, &p, sizeof p);
+      sum += p;
+    }
+    l[x] += sum_tree(sum);
   }
-  for (; d < D; ++d) {
-    float a = acc[d] * correction;
-    for (t = 0; t < n; ++t) a += score[t] * v[t * stride + d];
-    acc[d] = a;
+  // Columns of acc with the keys innermost: they stay in registers for the whole page
+  // instead of a store and a reload per key, and each value vector is loaded once for
+  // the P pairs. C registers of columns a pair (eight for one pair, four for more):
+  // C P independent chains of additions, where one register's alone would wait on each
+  // link.
+  constexpr int C = P == 1 ? 8 : 4;
+  int d = 0;
+  for (; d + 8 * C <= D; d += 8 * C) {
+    Lanes8 a[P][C];
+#pragma GCC unroll 4
+    for (int x = 0; x < P; ++x)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[x][c] = load8(acc + x * D + d + 8 * c) * correction[x];
+    for (t = 0; t < n; ++t) {
+      Lanes8 value[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) value[c] = load8(v + t * stride + d + 8 * c);
+      if constexpr (P > 1)
+        for (int c = 0; c < C; ++c) value[c] = in_register(value[c]);  // used P times
+#pragma GCC unroll 4
+      for (int x = 0; x < P; ++x) {
+        const float p = score[x * score_len + t];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) a[x][c] += p * value[c];
+      }
+    }
+    for (int x = 0; x < P; ++x) std::memcpy(acc + x * D + d, a[x], sizeof a[x]);
   }
+  for (; d + 8 <= D; d += 8)
+    for (int x = 0; x < P; ++x) {
+      Lanes8 a = load8(acc + x * D + d) * correction[x];
+      for (t = 0; t < n; ++t) a += score[x * score_len + t] * load8(v + t * stride + d);
+      std::memcpy(acc + x * D + d, &a, sizeof a);
+    }
+  for (; d < D; ++d)
+    for (int x = 0; x < P; ++x) {
+      float a = acc[x * D + d] * correction[x];
+      for (t = 0; t < n; ++t) a += score[x * score_len + t] * v[t * stride + d];
+      acc[x * D + d] = a;
+    }
   // END TASK
+}
+
+// `count` consecutive pairs that all see the page's first n keys, kPairsPerFold at a time.
+inline void fold_pairs(const float* q, int count, const float* k, const float* v,
+                       int64_t stride, int n, int D, float* score, int score_len, float* m,
+                       float* l, float* acc) {
+  int x = 0;
+  for (; x + kPairsPerFold <= count; x += kPairsPerFold)
+    fold_page<kPairsPerFold>(q + x * D, k, v, stride, n, D, score, score_len, m + x, l + x,
+                             acc + x * D);
+  for (; x < count; ++x)
+    fold_page<1>(q + x * D, k, v, stride, n, D, score, score_len, m + x, l + x, acc + x * D);
 }
 // ANCHOR_END: cpu_page_update
 
@@ -155,14 +247,15 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
   constexpr bool kIsFloat = std::is_same_v<T, float>;
   const int score_len = (ps + 7) / 8 * 8;  // whole vectors of eight (fold_page's exp8)
   thread_local std::vector<float> buf;
-  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + score_len + (kIsFloat ? 0 : 2 * ps * D)),
+  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + kPairsPerFold * score_len +
+                                 (kIsFloat ? 0 : 2 * ps * D)),
              0.0f);
   float* qf = buf.data();
   float* acc = qf + R * D;
   float* m = acc + R * D;
   float* l = m + R;
   float* score = l + R;
-  float* kv_f = score + score_len;  // the page converted to float (half/bfloat pages only)
+  float* kv_f = score + kPairsPerFold * score_len;  // the page as float (half/bfloat pools)
   for (int r = 0; r < rows; ++r)
     for (int x = 0; x < G * D; ++x)
       qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
@@ -187,14 +280,18 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
         }
       k = kv_f, v = kv_f + ps * D, stride = D;
     }
-    for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, first_pos + r + 1 - start);  // causal within the page
+    // Rows from `full` on see the whole page (on every page but the diagonal one, all rows
+    // do): all their pairs fold it in one call. A row before `full` sees the keys up to
+    // itself only, so its G pairs fold alone.
+    const int full = std::clamp(start + n - 1 - first_pos, 0, rows);
+    for (int r = 0; r < full; ++r) {
+      const int visible = first_pos + r + 1 - start;  // causal within the page
       if (visible <= 0) continue;
-      for (int gi = 0; gi < G; ++gi) {
-        const int x = r * G + gi;
-        fold_page(qf + x * D, k, v, stride, visible, D, score, m[x], l[x], acc + x * D);
-      }
+      fold_pairs(qf + r * G * D, G, k, v, stride, visible, D, score, score_len, m + r * G,
+                 l + r * G, acc + r * G * D);
     }
+    fold_pairs(qf + full * G * D, (rows - full) * G, k, v, stride, n, D, score, score_len,
+               m + full * G, l + full * G, acc + full * G * D);
   }
   // END TASK
   // ANCHOR_END: cpu_tile_walk
