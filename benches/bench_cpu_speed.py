@@ -3,7 +3,7 @@ without the extension's CPU kernels, next to mlx-lm's ``batch_generate`` and the
 bound of the workload.
 
 The workload: 32 requests of seeded random token ids, prompts of 32-512 tokens and
-32-128 output tokens each (greedy, ``ignore_eos``), all added at once. Three ways to serve
+32-128 output tokens each (greedy, ``ignore_eos``), all added at once. Four ways to serve
 it, each alone in turn, the order rotated every round (``--rounds``, default 3; medians):
 
 - ``MLX ops``: the default engine with ``cpu_kernels=False``: every matmul by MLX's
@@ -12,6 +12,8 @@ it, each alone in turn, the order rotated every round (``--rounds``, default 3; 
 - ``kernels``: the default engine (``tiny_llm/cpu_kernels.py``): decode rows by the
   extension's decode matmul, prefill rows by OpenBLAS split over the worker pool, RoPE by
   the extension's one op;
+- ``kernels, 16 slots``: the same with ``max_num_seqs=16``, the default before it became
+  32 (as many requests at once as mlx-lm's ``batch_generate`` runs by default);
 - ``mlx-lm``: ``mlx_lm.generate.batch_generate`` with its defaults, on mlx-lm's Llama class
   holding the very same float32 arrays, through the same OpenBLAS.
 
@@ -53,7 +55,13 @@ from common import (
 )
 
 NAME = "bench_cpu_speed"
-ENGINES = {"MLX ops": False, "kernels": True}  # label -> cpu_kernels
+# label -> engine options beside the defaults; "kernels, 16 slots" is the default engine
+# as it was with max_num_seqs = 16, to show what the 32 slots of today's default buy.
+ENGINES: dict[str, dict[str, Any]] = {
+    "MLX ops": {"cpu_kernels": False},
+    "kernels, 16 slots": {"max_num_seqs": 16},
+    "kernels": {},
+}
 MLX_LM = "mlx-lm batch_generate"
 
 
@@ -66,8 +74,8 @@ def workload(quick: bool, vocab: int, seed: int = 0) -> tuple[list[list[int]], l
 
 
 def serve_engine(model: Any, tokenizer: Any, prompts: list[list[int]], outputs: list[int],
-                 cpu_kernels: bool) -> dict[str, Any]:
-    engine = LLMEngine(model, tokenizer, cpu_kernels=cpu_kernels)
+                 **options: Any) -> dict[str, Any]:
+    engine = LLMEngine(model, tokenizer, **options)
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(n))
            for p, n in zip(prompts, outputs, strict=True)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
@@ -170,7 +178,8 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
 
     labels = [*ENGINES, MLX_LM]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar(labels, [res[k]["tok_per_s"] for k in labels], color=["C0", "C1", "C2"])
+    ax1.bar(labels, [res[k]["tok_per_s"] for k in labels],
+            color=[f"C{i}" for i in range(len(labels))])
     ax1.set_ylabel("output tok/s")
     ax1.set_title("serving workload, output tok/s")
     engines = list(ENGINES)
@@ -196,18 +205,18 @@ def main() -> None:
     model, tokenizer, model_name = load_model(args.quick)
     lm = mlx_lm_model(model)
     prompts, outputs = workload(args.quick, model.config.vocab_size)
-    serve_engine(model, tokenizer, prompts[:2], [2, 2], cpu_kernels=True)  # warmup
-    serve_engine(model, tokenizer, prompts[:2], [2, 2], cpu_kernels=False)
+    for options in ENGINES.values():  # warmup
+        serve_engine(model, tokenizer, prompts[:2], [2, 2], **options)
     labels = [*ENGINES, MLX_LM]
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in labels}
     rates = []
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for label in labels[r % 3:] + labels[:r % 3]:
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             if label == MLX_LM:
                 out = serve_mlx_lm(lm, prompts, outputs)
             else:
-                out = serve_engine(model, tokenizer, prompts, outputs, ENGINES[label])
+                out = serve_engine(model, tokenizer, prompts, outputs, **ENGINES[label])
             rounds[label].append(out)
             print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {label:24s} "
                   f"{out['wall_s']:6.1f} s, {out['tok_per_s']:.1f} tok/s", flush=True)

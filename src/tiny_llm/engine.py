@@ -102,7 +102,7 @@ Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 # ANCHOR: engine_config
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 16  # requests that may run at once (the "slots")
+    max_num_seqs: int = 32  # requests that may run at once (the "slots")
     max_num_batched_tokens: int = 512  # the token budget of one step
     max_model_len: int | None = None  # prompt + output; default: the model's context length
     scheduler: str = "continuous"  # or "static", the Day 1 baseline
