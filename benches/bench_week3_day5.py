@@ -863,7 +863,8 @@ def progression(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
         rows,
         ["", "", ".0f", ".1f", ".1f", ".1f", ".2f", ".1f", ".1f"],
         "GEMMs alone: every linear layer at the step's token count plus the tied vocabulary "
-        "projection at one row per sampled sequence, evaluated in one mx.eval. Rest of "
+        "projection at one row per sampled sequence, evaluated 16 MB of outputs at a time "
+        "(so that they are reused as a forward's are). Rest of "
         "eval: attention (kernel), K/V page writes, RMSNorm, RoPE, SiLU, residual adds, "
         "embedding lookup. Outside eval: scheduler, metadata, graph construction, sampling "
         "and bookkeeping (table 3b).",
