@@ -42,9 +42,9 @@ inline float dot(const float* a, const float* b, int D) {
   return sum;
 }
 
-// Lanes I... of the sixteen lanes of x then y.
 typedef int32_t Ints8 __attribute__((vector_size(32)));
 
+// Lanes I... of the sixteen lanes of x then y.
 template <int... I>
 inline Lanes8 pick(Lanes8 x, Lanes8 y) {
 #if defined(__clang__) || __GNUC__ >= 12
@@ -55,17 +55,17 @@ inline Lanes8 pick(Lanes8 x, Lanes8 y) {
 }
 
 // sum_tree of eight vectors at once (a[0..3], then b[0..3]); lane i is vector i's sum.
-// The same additions of the same lanes as sum_tree, done across the vectors: three
-// rounds of two shuffles and one addition, where eight sum_trees add one lane at a time.
+// The same additions of the same lanes as sum_tree, done across the vectors: seven vector
+// additions of shuffled lanes, where eight sum_trees make 56 additions of single lanes.
 inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
-  auto fold_halves = [](Lanes8 x, Lanes8 y) {  // lane j + lane j + 4, of x then of y
+  auto halves = [](Lanes8 x, Lanes8 y) {  // lane j + lane j + 4, of x then of y
     return pick<0, 1, 2, 3, 8, 9, 10, 11>(x, y) + pick<4, 5, 6, 7, 12, 13, 14, 15>(x, y);
   };
-  auto fold_pairs = [](Lanes8 x, Lanes8 y) {  // (0+4)+(2+6) and (1+5)+(3+7) of each
+  auto quarters = [](Lanes8 x, Lanes8 y) {  // then (0+4)+(2+6) and (1+5)+(3+7) of each
     return pick<0, 1, 4, 5, 8, 9, 12, 13>(x, y) + pick<2, 3, 6, 7, 10, 11, 14, 15>(x, y);
   };
-  const Lanes8 x = fold_pairs(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));
-  const Lanes8 y = fold_pairs(fold_halves(b[0], b[1]), fold_halves(b[2], b[3]));
+  const Lanes8 x = quarters(halves(a[0], a[1]), halves(a[2], a[3]));
+  const Lanes8 y = quarters(halves(b[0], b[1]), halves(b[2], b[3]));
   return pick<0, 2, 4, 6, 8, 10, 12, 14>(x, y) + pick<1, 3, 5, 7, 9, 11, 13, 15>(x, y);
 }
 
