@@ -18,7 +18,8 @@
 - ``rms_norm`` matches ``mx.fast.rms_norm`` (2-D and per-head 3-D rows, large and tiny
   values), a row alone and in a batch give the same bits;
 - the decode matmul built for AVX2 and built with plain-array lanes (what other CPUs
-  compile) gives the same bits.
+  compile) gives the same bits; the CPU attention built for AVX2 and AVX-512 (two and
+  three pairs per fold) gives the same bits, and each build the same in both schedules.
 """
 
 from __future__ import annotations
@@ -472,6 +473,66 @@ def test_linear_gives_the_same_bits_on_every_vector_unit(tmp_path):
         outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(off)], check=True,
                                capture_output=True).stdout for exe in builds.values()]
         assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (m, n, k, off)
+
+
+ATTENTION_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include "cpu_attention.h"
+int main(int argc, char** argv) {
+  const int D = atoi(argv[1]), tile = atoi(argv[2]);
+  const int H = 8, Hkv = 2, ps = 16, P = 12, B = 3, max_pages = 4;
+  // A 37-row chunk after 16 cached tokens, a decode row, a 40-row prompt.
+  const std::vector<int32_t> ctx{53, 20, 40}, qsl{0, 37, 38, 78};
+  const std::vector<int32_t> table{7, 2, 11, 4, 0, 9, -1, -1, 5, 1, 8, -1};
+  uint32_t s = 12345;
+  auto next = [&] { s = s * 1664525u + 1013904223u; return (s >> 8) / 16777216.0f - 0.5f; };
+  std::vector<float> q(qsl[B] * H * D), k(P * ps * Hkv * D), v(k.size()), out(q.size());
+  for (auto& x : q) x = 3 * next();
+  for (auto& x : k) x = next();
+  for (auto& x : v) x = next();
+  tiny_llm::CpuAttentionShape g{B, max_pages, H, Hkv, D, ps, 0.125f, tile};
+  tiny_llm::paged_attention_cpu<float>(q.data(), k.data(), v.data(), table.data(), ctx.data(),
+                                       qsl.data(), out.data(), g);
+  fwrite(out.data(), sizeof(float), out.size(), stdout);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86_64")
+def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
+    """``fold_page`` folds kPairsPerFold pairs at a time: 2 with AVX2 (and on a Mac), 3 with
+    AVX-512. A pair's arithmetic must not depend on how many share its call, so both builds
+    give the same bits, in the vector schedule and in tiles (G = 4: blocks straddle rows).
+    The plain build (no FMA) rounds differently, but agrees with itself across schedules."""
+    src = Path(__file__).resolve().parent.parent / "src" / "extensions"
+    mlx_include = Path(mx.__file__).resolve().parent / "include"
+    (tmp_path / "harness.cpp").write_text(ATTENTION_HARNESS)
+    targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
+               ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
+    if "avx512vl" in Path("/proc/cpuinfo").read_text():
+        targets.append(("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]))
+    outs = {}
+    for name, flags in targets:
+        exe = tmp_path / name
+        subprocess.run(["g++", "-O2", "-std=c++17", "-Wno-psabi", *flags, f"-I{src}",
+                        f"-I{mlx_include}", "-o", str(exe), str(tmp_path / "harness.cpp"),
+                        str(src / "cpu_attention.cpp"), str(src / "worker_pool.cpp"),
+                        "-lpthread"], check=True)
+        for head_dim in (64, 68):  # 68: the tails past whole vectors of eight
+            for tile in (1, 16):
+                outs[name, head_dim, tile] = subprocess.run(
+                    [str(exe), str(head_dim), str(tile)], check=True,
+                    capture_output=True).stdout
+    for head_dim in (64, 68):
+        assert len(outs["avx2", head_dim, 1]) == 4 * 78 * 8 * head_dim
+        for name, _ in targets:
+            assert outs[name, head_dim, 1] == outs[name, head_dim, 16], (name, head_dim)
+        fma = [outs[name, head_dim, 1] for name, _ in targets if name != "generic"]
+        assert all(o == fma[0] for o in fma), head_dim
 
 
 def test_a_model_built_on_one_thread_serves_on_another(smollm_tokenizer):
