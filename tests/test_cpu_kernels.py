@@ -428,6 +428,16 @@ def test_the_command_line_turns_the_kernels_off():
 # The harness below builds the decode matmul twice, with the AVX2 registers and with the
 # plain-array lanes that other CPUs (a Mac's NEON) compile to, and compares their bits: the
 # one definition of a dot product must not depend on which of the two computes it.
+def vector_units() -> list[tuple[str, list[str]]]:
+    """g++ flags for the vector units this CPU runs: AVX2, none (plain lanes, what other
+    CPUs compile) and, where the CPU has it, AVX-512 with 256-bit registers (VL)."""
+    units = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
+             ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
+    if "avx512vl" in Path("/proc/cpuinfo").read_text():
+        units.append(("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]))
+    return units
+
+
 LANES_HARNESS = r"""
 #include <cstdint>
 #include <cstdio>
@@ -457,12 +467,8 @@ def test_linear_gives_the_same_bits_on_every_vector_unit(tmp_path):
     bits, whatever the tile."""
     src = Path(__file__).resolve().parent.parent / "src" / "extensions"
     (tmp_path / "harness.cpp").write_text(LANES_HARNESS)
-    targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
-               ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
-    if "avx512vl" in Path("/proc/cpuinfo").read_text():
-        targets.append(("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]))
     builds = {}
-    for name, flags in targets:
+    for name, flags in vector_units():
         exe = tmp_path / name
         subprocess.run(["g++", "-O2", "-std=c++17", *flags, f"-I{src}", "-o", str(exe),
                         str(tmp_path / "harness.cpp"), str(src / "cpu_linear.cpp"),
@@ -511,10 +517,7 @@ def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
     src = Path(__file__).resolve().parent.parent / "src" / "extensions"
     mlx_include = Path(mx.__file__).resolve().parent / "include"
     (tmp_path / "harness.cpp").write_text(ATTENTION_HARNESS)
-    targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
-               ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
-    if "avx512vl" in Path("/proc/cpuinfo").read_text():
-        targets.append(("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]))
+    targets = vector_units()
     outs = {}
     for name, flags in targets:
         exe = tmp_path / name
