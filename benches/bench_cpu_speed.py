@@ -188,7 +188,8 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
     ax2.bar(engines, prefill, label="steps with prefill")
     ax2.bar(engines, decode, bottom=prefill, label="decode-only steps")
     ax2.axhline(data["compute_bound_s"], color="k", linestyle=":", label="compute bound")
-    ax2.axhline(res[MLX_LM]["wall_s"], color="C2", linestyle="--", label="mlx-lm wall")
+    ax2.axhline(res[MLX_LM]["wall_s"], color=f"C{len(ENGINES)}", linestyle="--",
+                label="mlx-lm wall")
     ax2.set_ylabel("seconds")
     ax2.set_title("engine wall time by step kind")
     ax2.legend(fontsize=8)

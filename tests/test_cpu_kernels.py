@@ -489,13 +489,13 @@ ATTENTION_HARNESS = r"""
 #include "cpu_attention.h"
 int main(int argc, char** argv) {
   const int D = atoi(argv[1]), tile = atoi(argv[2]);
-  const int H = 8, Hkv = 2, ps = 16, P = 12, B = 3, max_pages = 4;
+  const int H = 10, Hkv = 2, ps = 16, pages = 12, B = 3, max_pages = 4;
   // A 37-row chunk after 16 cached tokens, a decode row, a 40-row prompt.
   const std::vector<int32_t> ctx{53, 20, 40}, qsl{0, 37, 38, 78};
   const std::vector<int32_t> table{7, 2, 11, 4, 0, 9, -1, -1, 5, 1, 8, -1};
   uint32_t s = 12345;
   auto next = [&] { s = s * 1664525u + 1013904223u; return (s >> 8) / 16777216.0f - 0.5f; };
-  std::vector<float> q(qsl[B] * H * D), k(P * ps * Hkv * D), v(k.size()), out(q.size());
+  std::vector<float> q(qsl[B] * H * D), k(pages * ps * Hkv * D), v(k.size()), out(q.size());
   for (auto& x : q) x = 3 * next();
   for (auto& x : k) x = next();
   for (auto& x : v) x = next();
@@ -512,7 +512,8 @@ int main(int argc, char** argv) {
 def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
     """``fold_page`` folds kPairsPerFold pairs at a time: 2 with AVX2 (and on a Mac), 3 with
     AVX-512. A pair's arithmetic must not depend on how many share its call, so both builds
-    give the same bits, in the vector schedule and in tiles (G = 4: blocks straddle rows).
+    give the same bits, in the vector schedule and in tiles (five heads per KV head: blocks
+    of either size straddle rows).
     The plain build (no FMA) rounds differently, but agrees with itself across schedules."""
     src = Path(__file__).resolve().parent.parent / "src" / "extensions"
     mlx_include = Path(mx.__file__).resolve().parent / "include"
@@ -525,13 +526,13 @@ def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
                         f"-I{mlx_include}", "-o", str(exe), str(tmp_path / "harness.cpp"),
                         str(src / "cpu_attention.cpp"), str(src / "worker_pool.cpp"),
                         "-lpthread"], check=True)
-        for head_dim in (64, 68):  # 68: the tails past whole vectors of eight
+        for head_dim in (64, 68, 76):  # the tails past 32 columns, and past vectors of 8
             for tile in (1, 16):
                 outs[name, head_dim, tile] = subprocess.run(
                     [str(exe), str(head_dim), str(tile)], check=True,
                     capture_output=True).stdout
-    for head_dim in (64, 68):
-        assert len(outs["avx2", head_dim, 1]) == 4 * 78 * 8 * head_dim
+    for head_dim in (64, 68, 76):
+        assert len(outs["avx2", head_dim, 1]) == 4 * 78 * 10 * head_dim
         for name, _ in targets:
             assert outs[name, head_dim, 1] == outs[name, head_dim, 16], (name, head_dim)
         fma = [outs[name, head_dim, 1] for name, _ in targets if name != "generic"]
