@@ -192,6 +192,8 @@ def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, sm
         (ValueError, "temperature", lambda: SamplingParams(temperature=float("nan"))),
         (TypeError, "unknown engine option", lambda: LLMEngine(tiny_model, smollm_tokenizer, x=1)),
         (ValueError, "scheduler", lambda: LLMEngine(tiny_model, smollm_tokenizer, scheduler="x")),
+        (ValueError, "at least max_num_seqs", lambda: LLMEngine(
+            tiny_model, smollm_tokenizer, max_num_seqs=8, max_num_batched_tokens=4)),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message):
@@ -210,6 +212,17 @@ def test_bad_input_is_rejected_and_running_requests_are_untouched(tiny_model, sm
         results.update({o.request_id: o for o in engine.step()})
     expected, _ = alone(tiny_model, smollm_tokenizer, prompt, greedy(8))
     assert results[good].outputs[0].token_ids == expected
+
+
+def test_the_default_slots_fit_the_token_budget():
+    """32 slots by default, as many as the budget lets decode at once when it is smaller (so
+    a small budget alone is a valid configuration); given both, a budget below the slots is
+    refused above."""
+    from tiny_llm.engine import EngineConfig
+
+    assert EngineConfig().max_num_seqs == 32
+    assert EngineConfig(max_num_batched_tokens=16).max_num_seqs == 16
+    assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=16).max_num_seqs == 4
 
 
 def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):

@@ -99,10 +99,13 @@ DEFAULT_ATTENTION = {"dense": "dense", "paged": "flash"}
 Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 
 
+DEFAULT_MAX_NUM_SEQS = 32
+
+
 # ANCHOR: engine_config
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 32  # requests that may run at once (the "slots")
+    max_num_seqs: int | None = None  # requests at once (the "slots"); 32, or the budget if less
     max_num_batched_tokens: int = 512  # the token budget of one step
     max_model_len: int | None = None  # prompt + output; default: the model's context length
     scheduler: str = "continuous"  # or "static", the Day 1 baseline
@@ -123,7 +126,10 @@ class EngineConfig:
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size",
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_seqs is None:  # as many as mlx-lm's batch_generate runs at once
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        for name in ("max_num_seqs", "page_size",
                      "num_speculative_tokens", "speculative_max_batch"):
             _check_int(name, getattr(self, name), 1)
         for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1),
