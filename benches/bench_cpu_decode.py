@@ -14,6 +14,8 @@ prefix caching off) serves ``B`` requests of 16 random prompt tokens at once,
   False)``, ``--quantized`` on the command line: 4-bit layers, an 8-bit embedding; with
   ``--quick`` the tiny model quantized the same way), decode rows by the extension's
   quantized matmul. Its bytes per step are those of the packed weights.
+- ``int8``: as stored, with ``int8_activations=True`` (``--int8-activations``): the decode
+  rows rounded to int8 per 32 values and multiplied by the packed weights as integers.
 
 Once every request is decoding, ``--steps`` (16) decode steps are timed one by one
 (``engine.step()``, wall clock); the median is the step time. Right after, the model's
@@ -35,7 +37,8 @@ Reported per ``B``: ms/step of the three engines, the kernels' speedup over MLX 
 output tok/s (``B`` / step time), the GEMMs-alone times, the weight bytes streamed per
 second during the kernels' step (bytes per step / step time) and that as a fraction of the
 copy bandwidth, and the kernels' step time over each bound; then the as-stored engine's
-step against the float32 kernels' and against its own memory bound. ``--rounds`` rounds
+step against the float32 kernels' and against its own memory bound, and the int8
+engine's step against the float32 kernels'. ``--rounds`` rounds
 (default 3), batch sizes and engines in alternating order; medians.
 
     python benches/bench_cpu_decode.py          # about 4 minutes on 2 cores
@@ -89,12 +92,12 @@ def gemm_rate(n: int = 1024, repeats: int = 5, split: bool = False) -> float:
 
 
 def decode_steps(model: Any, tokenizer: Any, batch: int, steps: int, seed: int,
-                 cpu_kernels: bool) -> list[float]:
+                 cpu_kernels: bool, int8: bool = False) -> list[float]:
     """Seconds of ``steps`` decode steps with ``batch`` requests decoding."""
     rng = random.Random(seed)
     engine = LLMEngine(model, tokenizer, max_num_seqs=batch, enable_prefix_caching=False,
                        max_num_batched_tokens=max(512, batch), max_model_len=256,
-                       cpu_kernels=cpu_kernels)
+                       cpu_kernels=cpu_kernels, int8_activations=int8)
     for _ in range(batch):
         prompt = [rng.randrange(100, 10000) for _ in range(PROMPT_TOKENS)]
         engine.add_request({"prompt_token_ids": prompt}, greedy(steps + 8))
@@ -120,8 +123,9 @@ def matmul_params(model: Any) -> int:
     return linear + head
 
 
-# label -> (cpu_kernels, the weights as stored rather than float32)
-ENGINES = {"MLX ops": (False, False), "kernels": (True, False), "as stored": (True, True)}
+# label -> (cpu_kernels, the weights as stored rather than float32, int8 activations)
+ENGINES = {"MLX ops": (False, False, False), "kernels": (True, False, False),
+           "as stored": (True, True, False), "int8": (True, True, True)}
 
 
 def stored_model(quick: bool) -> Any:
@@ -146,13 +150,14 @@ def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
                  "kernels tok/s", "GEMMs alone ms MLX", "GEMMs alone ms kernels",
                  "kernels weights GB/s", "of copy bandwidth", "step / memory bound",
                  "step / compute bound", "ms/step as stored", "as stored / kernels",
-                 "as stored / its memory bound"],
+                 "as stored / its memory bound", "ms/step int8", "int8 / kernels"],
         rows=[[r["batch"], r["mlx_step_ms"], r["step_ms"], r["speedup"], r["tok_s"],
                r["mlx_gemm_ms"], r["gemm_ms"], r["weights_GBps"], r["of_bandwidth"],
                r["vs_memory_bound"], r["vs_compute_bound"], r["stored_step_ms"],
-               r["stored_vs_kernels"], r["stored_vs_memory_bound"]] for r in rows],
+               r["stored_vs_kernels"], r["stored_vs_memory_bound"], r["int8_step_ms"],
+               r["int8_vs_kernels"]] for r in rows],
         formats=["", ".1f", ".1f", ".2f", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f",
-                 ".1f", ".2f", ".2f"],
+                 ".1f", ".2f", ".2f", ".1f", ".2f"],
         note=(
             f"Engine defaults (paged KV, tiled kernel, prefix caching off), max_num_seqs = "
             f"batch, {PROMPT_TOKENS}-token prompts; ms/step: median of {data['steps']} decode "
@@ -166,7 +171,8 @@ def make_table(rows: list[dict[str, Any]], data: dict[str, Any]) -> Table:
             "the step's matmuls at batch rows on random inputs, as each engine runs them. "
             "As stored: the kernels on the packed weights, "
             f"{data['stored_bytes_per_step'] / 1e6:.0f} MB a step, so a memory bound of "
-            f"{data['stored_memory_bound_ms']:.1f} ms."
+            f"{data['stored_memory_bound_ms']:.1f} ms. Int8: as stored, with "
+            "int8_activations=True."
         ),
     )
 
@@ -200,6 +206,8 @@ def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
     ax1.plot(b, [r["tok_s"] for r in rows], "o-", label="kernels")
     ax1.plot(b, [r["batch"] / r["stored_step_ms"] * 1e3 for r in rows], "o-",
              label="kernels, as stored")
+    ax1.plot(b, [r["batch"] / r["int8_step_ms"] * 1e3 for r in rows], "o-",
+             label="as stored, int8 activations")
     ax1.plot(b, b / (data["memory_bound_ms"] / 1e3), "k--", label="memory bound")
     compute_s = 2 * data["matmul_params"] / (data["gemm_all_cores_GFLOPs"] * 1e9)
     ax1.plot(b, np.full(len(b), 1 / compute_s), "k:", label="compute bound")
@@ -207,6 +215,7 @@ def make_figure(rows: list[dict[str, Any]], data: dict[str, Any]) -> Any:
     ax2.plot(b, [r["mlx_step_ms"] for r in rows], "o-", label="step, MLX ops")
     ax2.plot(b, [r["step_ms"] for r in rows], "o-", label="step, kernels")
     ax2.plot(b, [r["stored_step_ms"] for r in rows], "o-", label="step, as stored")
+    ax2.plot(b, [r["int8_step_ms"] for r in rows], "o-", label="step, int8")
     ax2.plot(b, [r["mlx_gemm_ms"] for r in rows], "s--", label="GEMMs alone, MLX")
     ax2.plot(b, [r["gemm_ms"] for r in rows], "s--", label="GEMMs alone, kernels")
     ax2.axhline(data["memory_bound_ms"], color="k", linestyle="--", label="memory bound")
@@ -235,20 +244,21 @@ def main() -> None:
     stored = stored_model(args.quick)
     stored_bytes = decode_bytes_per_token(dict(tree_flatten(stored.parameters())),
                                           c.vocab_size, c.tie_word_embeddings)
-    models = {label: stored if packed else model for label, (_, packed) in ENGINES.items()}
+    models = {label: stored if packed else model for label, (_, packed, _) in ENGINES.items()}
     probe = GemmProbe(model)
-    for label, (cpu_kernels, _) in ENGINES.items():  # warmup: first calls, thread pools
-        decode_steps(models[label], tokenizer, 2, 2, seed=0, cpu_kernels=cpu_kernels)
+    for label, (cpu_kernels, _, int8) in ENGINES.items():  # warmup: first calls, thread pools
+        decode_steps(models[label], tokenizer, 2, 2, seed=0, cpu_kernels=cpu_kernels, int8=int8)
     t0 = time.perf_counter()
     runs = {(b, e): {"step": [], "gemm": []} for b in batches for e in ENGINES}
     bandwidths, rates, split_rates = [], [], []
     for r in range(args.rounds):
         for batch in batches if r % 2 == 0 else batches[::-1]:
             for label in ENGINES if (r + batch) % 2 == 0 else list(ENGINES)[::-1]:
-                kernels, packed = ENGINES[label]
+                kernels, packed, int8 = ENGINES[label]
                 run = runs[batch, label]
                 run["step"].append(statistics.median(decode_steps(
-                    models[label], tokenizer, batch, args.steps, seed=r, cpu_kernels=kernels)))
+                    models[label], tokenizer, batch, args.steps, seed=r, cpu_kernels=kernels,
+                    int8=int8)))
                 if not packed:  # the probe's random weights are float32
                     run["gemm"].append(statistics.median(
                         probe.time(batch, batch, batch if kernels else None) for _ in range(5)))
@@ -266,6 +276,7 @@ def main() -> None:
         step = statistics.median(runs[batch, "kernels"]["step"])
         mlx_step = statistics.median(runs[batch, "MLX ops"]["step"])
         stored_step = statistics.median(runs[batch, "as stored"]["step"])
+        int8_step = statistics.median(runs[batch, "int8"]["step"])
         rows.append(dict(
             batch=batch, step_ms=1e3 * step, mlx_step_ms=1e3 * mlx_step,
             speedup=mlx_step / step, tok_s=batch / step,
@@ -276,9 +287,11 @@ def main() -> None:
             vs_compute_bound=step / (flops_per_row * batch / split_rate),
             stored_step_ms=1e3 * stored_step, stored_vs_kernels=stored_step / step,
             stored_vs_memory_bound=stored_step / (stored_bytes / bandwidth),
+            int8_step_ms=1e3 * int8_step, int8_vs_kernels=int8_step / step,
             step_ms_all=[1e3 * x for x in runs[batch, "kernels"]["step"]],
             mlx_step_ms_all=[1e3 * x for x in runs[batch, "MLX ops"]["step"]],
             stored_step_ms_all=[1e3 * x for x in runs[batch, "as stored"]["step"]],
+            int8_step_ms_all=[1e3 * x for x in runs[batch, "int8"]["step"]],
         ))
     data = {
         "model": model_name, "steps": args.steps, "rounds": args.rounds,

@@ -22,7 +22,10 @@ Each round, in turn (``--rounds``, default 3; medians):
 - **the engine, as stored**: the same, the file's weights kept as they are stored
   (``load(dequantize=False)``, ``--quantized`` on the command line): the decode rows read
   the packed 4- and 8-bit bytes (the extension's ``quantized_linear``), the prompt's rows
-  dequantize blocks for OpenBLAS.
+  dequantize blocks for OpenBLAS;
+- **the engine, as stored, int8 activations**: the same with ``int8_activations=True``
+  (``--int8-activations``): the decode rows rounded to int8 per 32 values, as llama.cpp
+  does for its quantized formats, and multiplied by the packed weights as integers.
 
 All use every core. The table gives each one's bytes per token next to its speed, and its
 decode step against the memory bound: those bytes once at the copy bandwidth measured in
@@ -74,11 +77,11 @@ def run_llama_cpp(binary: Path, gguf: Path, prompt: int, new: int) -> dict[str, 
                 file_bytes=size)
 
 
-def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int
-               ) -> dict[str, float]:
+def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int,
+               int8: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
     engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, prompt),
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, int8_activations=int8)
     tokens = [rng.randrange(100, model.config.vocab_size) for _ in range(prompt)]
     engine.add_request({"prompt_token_ids": tokens}, greedy(new))
     times = []
@@ -90,7 +93,8 @@ def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int
 
 
 ROWS = (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine"),
-        ("engine (GGUF weights as stored)", "engine_quantized"))
+        ("engine (GGUF weights as stored)", "engine_quantized"),
+        ("engine (as stored, int8 activations)", "engine_int8"))
 
 
 def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
@@ -111,9 +115,10 @@ def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
               f"{data['cores']} threads each. llama.cpp: llama-bench (pp{data['prompt']}, "
               f"tg{data['new']}) with the file's weights; its MB per token is the file's size. "
               "The engine: the defaults, weights dequantized to float32, or kept as stored "
-              "(4-bit layers, an 8-bit embedding). Decode at memory bound: the MB per token "
-              f"at the copy bandwidth ({data['copy_bandwidth'] / 1e9:.1f} GB/s) over the "
-              f"decode step. Medians of {data['rounds']} rounds; ratios of medians."),
+              "(4-bit layers, an 8-bit embedding), and so with int8 activations. Decode at "
+              "memory bound: the MB per token at the copy bandwidth "
+              f"({data['copy_bandwidth'] / 1e9:.1f} GB/s) over the decode step. Medians of "
+              f"{data['rounds']} rounds; ratios of medians."),
     )
 
 
@@ -143,16 +148,18 @@ def main() -> None:
     gguf = default_model_path()
     model_name = gguf.name.split(".")[0]  # both formats of SmolLM2-135M-Instruct
     bandwidth = copy_bandwidth()
-    engines = {"engine": model, "engine_quantized": stored}
-    for m in engines.values():
-        run_engine(m, tokenizer, 16, 2, seed=99)  # warmup
+    engines = {"engine": (model, False), "engine_quantized": (stored, False),
+               "engine_int8": (stored, True)}
+    for m, int8 in engines.values():
+        run_engine(m, tokenizer, 16, 2, seed=99, int8=int8)  # warmup
     keys = ["llama", *engines]
     rounds: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # the order rotates
             out = (run_llama_cpp(args.llama_bench, gguf, prompt, new) if key == "llama"
-                   else run_engine(engines[key], tokenizer, prompt, new, seed=r))
+                   else run_engine(engines[key][0], tokenizer, prompt, new, seed=r,
+                                   int8=engines[key][1]))
             rounds[key].append(out)
             print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {key:16s} prefill "
                   f"{out['prefill_tok_s']:7.1f} tok/s, decode {out['decode_tok_s']:6.1f} tok/s",
@@ -163,7 +170,7 @@ def main() -> None:
         res[key]["decode_rounds"] = spread([x["decode_tok_s"] for x in runs])
     res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
     c = model.config
-    for key, m in engines.items():
+    for key, (m, _) in engines.items():
         res[key]["bytes_per_token"] = decode_bytes_per_token(
             dict(tree_flatten(m.parameters())), c.vocab_size, c.tie_word_embeddings)
     data = {"model": model_name, "gguf": gguf.name, "prompt": prompt, "new": new,

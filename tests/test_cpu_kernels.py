@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import shutil
 import subprocess
@@ -227,11 +228,12 @@ def kernel_calls(monkeypatch, ext):
             return ext.linear_group(x, weights, blas=blas)
 
         @staticmethod
-        def quantized_linear_group(x, weights, scales, biases, group_size, bits, blas=False):
-            calls.append(("quantized", x.shape[0]))
+        def quantized_linear_group(x, weights, scales, biases, group_size, bits, blas=False,
+                                   int8=False):
+            calls.append(("quantized-int8" if int8 else "quantized", x.shape[0]))
             calls.weights.append(len(weights))
             return ext.quantized_linear_group(x, weights, scales, biases, group_size, bits,
-                                              blas=blas)
+                                              blas=blas, int8=int8)
 
         @staticmethod
         def rope(x, *args):
@@ -621,6 +623,64 @@ def test_a_quantized_row_does_not_depend_on_the_other_rows(ext, group_size, bits
     assert np.array_equal(np.asarray(reversed_rows[0])[::-1], alone[0])
 
 
+def int8_oracle(x: mx.array, packed, group_size: int, bits: int) -> np.ndarray:
+    """x rounded as int8 activations define it (per 32 values: scale max|x| / 127, x times
+    127 / max|x| in float32 rounded to the nearest integer, ties to even), then the product
+    with the dequantized weights in float64."""
+    x = np.asarray(x, dtype=np.float32)
+    rounded = np.zeros(x.shape, dtype=np.float64)
+    for g in range(0, x.shape[1], 32):
+        part = x[:, g:g + 32]
+        amax = np.abs(part).max(axis=1, keepdims=True)
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        rounded[:, g:g + 32] = np.rint(part * inv) * (amax.astype(np.float64) / 127)
+    w = np.asarray(mx.dequantize(*packed, group_size=group_size, bits=bits), dtype=np.float64)
+    return rounded @ w.T
+
+
+INT8_FORMATS = [(32, 4), (64, 4), (128, 4), (32, 8), (64, 8), (128, 8)]
+
+
+@pytest.mark.parametrize("group_size, bits", INT8_FORMATS)
+@pytest.mark.parametrize("m, n, k", [(1, 1, 256), (3, 7, 608), (5, 37, 576), (9, 19, 1536)])
+def test_int8_rows_match_the_rounded_oracle(ext, group_size, bits, m, n, k):
+    """int8=True computes x rounded to int8 per 32 values times the weights: to float32
+    rounding of that product (K = 576 at 4 bits and 608 at 8 leave half a 64-byte block);
+    against the float kernel, within the rounding's own error."""
+    if k % group_size:
+        pytest.skip("K must be a multiple of the group size")
+    x = mx.random.normal((m, k), key=mx.random.key(m + k))
+    if m >= 3:
+        x[2, :32] = 0.0  # a group of zeros: scale 0, no division by it
+    packed = quantized(n, k, group_size, bits, seed=n)
+    want = int8_oracle(x, packed, group_size, bits)
+    scale = np.abs(want).max()
+    got = np.asarray(ext.quantized_linear_group(x, *([p] for p in packed), group_size, bits,
+                                                int8=True)[0])
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * k * scale / 8)
+    floats = np.asarray(ext.quantized_linear_group(x, *([p] for p in packed), group_size, bits)[0])
+    assert 0 < np.abs(got - floats).max() <= 0.02 * np.abs(floats).max()
+
+
+@pytest.mark.parametrize("group_size, bits", [(32, 4), (32, 8), (128, 4)])
+def test_an_int8_row_does_not_depend_on_the_other_rows(ext, group_size, bits):
+    """int8 rows alone, in batches of every size up to 9 (every tile of rows and of weight
+    rows), reversed and in a call of several weights: the same bits."""
+    k = 576 if group_size < 128 else 640
+    x = mx.random.normal((9, k), key=mx.random.key(7))
+    parts = [quantized(n, k, group_size, bits, seed=n) for n in (50, 7, 3)]
+    weights, scales, biases = ([p[i] for p in parts] for i in range(3))
+    call = functools.partial(ext.quantized_linear_group, group_size=group_size, bits=bits,
+                             int8=True)
+    alone = [np.concatenate([np.asarray(call(x[i:i + 1], [w], [s], [b])[0]) for i in range(9)])
+             for w, s, b in zip(weights, scales, biases, strict=True)]
+    for m in range(1, 10):
+        for got, want in zip(call(x[:m], weights, scales, biases), alone, strict=True):
+            assert np.array_equal(np.asarray(got), want[:m]), m
+    reversed_rows = call(x[::-1], weights, scales, biases)
+    assert np.array_equal(np.asarray(reversed_rows[0])[::-1], alone[0])
+
+
 def test_a_bad_quantized_call_is_refused(ext):
     x = mx.zeros((2, 64))
     w, s, b = quantized(8, 64, 32, 4, seed=1)
@@ -636,6 +696,14 @@ def test_a_bad_quantized_call_is_refused(ext):
     with pytest.raises(ValueError, match="each with its scales and biases"):
         call(x, [w], [s], [], 32, 4)
     assert ext.quantized_kernel_serves(64, 8) and not ext.quantized_kernel_serves(64, 2)
+    with pytest.raises(ValueError, match="int8 rows are decode rows"):
+        call(x, [w], [s], [b], 32, 4, blas=True, int8=True)
+    w96, s96, b96 = (mx.zeros((8, 384 * 4 // 32), dtype=mx.uint32), mx.zeros((8, 4)),
+                     mx.zeros((8, 4)))
+    call(mx.zeros((2, 384)), [w96], [s96], [b96], 96, 4)  # the float kernel serves it
+    with pytest.raises(ValueError, match=r"int8=True\) serves groups that divide 64 bytes"):
+        call(mx.zeros((2, 384)), [w96], [s96], [b96], 96, 4, int8=True)
+    assert ext.int8_kernel_serves(32, 4) and not ext.int8_kernel_serves(96, 4)
 
 
 def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
@@ -689,7 +757,7 @@ int main(int argc, char** argv) {
   for (auto& v : b) v = -(next() >> 8) / 167772160.0f;
   for (auto& v : w) v = next();
   tiny_llm::quantized_linear_cpu(x.data(), {{w.data(), s.data(), b.data(), y.data(), N}}, M, K,
-                                 {group, bits});
+                                 {group, bits}, atoi(argv[6]) != 0);
   fwrite(y.data(), sizeof(float), y.size(), stdout);
 }
 """
@@ -698,14 +766,19 @@ int main(int argc, char** argv) {
 @pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
                     reason="needs g++ on x86_64")
 def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
-    """The quantized kernel built for AVX-512 (where the CPU has it), AVX2 and plain vector
-    extensions (what a Mac compiles, there with NEON): one definition, the same bits."""
+    """The quantized kernel built for AVX-512 (where the CPU has it, with and without VNNI's
+    integer dot products), AVX2 and plain vector extensions (what a Mac compiles, there with
+    NEON): one definition, the same bits, in float and in int8 activations."""
     src = Path(__file__).resolve().parent.parent / "src" / "extensions"
     (tmp_path / "harness.cpp").write_text(QLANES_HARNESS)
     targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
                ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
-    if "avx512dq" in Path("/proc/cpuinfo").read_text():
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    if "avx512dq" in cpuinfo:
         targets.append(("avx512", ["-mavx512f", "-mavx512dq", "-mfma"]))
+    if "avx512dq" in cpuinfo and "avx512_vnni" in cpuinfo and "avx512bw" in cpuinfo:
+        targets.append(("avx512vnni", ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vnni",
+                                       "-mfma"]))
     builds = []
     for name, flags in targets:
         exe = tmp_path / name
@@ -714,10 +787,12 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
                         str(src / "worker_pool.cpp"), "-lpthread"], check=True)
         builds.append(exe)
     for m, n, k, group, bits in [(1, 7, 64, 32, 4), (5, 13, 576, 32, 4), (3, 9, 384, 128, 8),
-                                 (70, 33, 256, 64, 4)]:
-        outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(group), str(bits)],
-                               check=True, capture_output=True).stdout for exe in builds]
-        assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (m, n, k)
+                                 (70, 33, 256, 64, 4), (2, 11, 576, 32, 8)]:
+        for int8 in ("0", "1"):
+            outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(group), str(bits),
+                                    int8], check=True, capture_output=True).stdout
+                    for exe in builds]
+            assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (m, n, k, int8)
 
 
 def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_tokenizer):
@@ -738,7 +813,38 @@ def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_to
     prompts, params = workload(6, seed=3, max_tokens=(4, 12))
     batched = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64), prompts, params)
     assert ("quantized", 6) in kernel_calls  # a step of six decode rows
+    assert not any(name == "quantized-int8" for name, _ in kernel_calls)
     for prompt, p, got in zip(prompts, params, batched, strict=True):
         alone = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64), [prompt], [p])[0]
         assert got == alone
         assert got == served_alone(model, smollm_tokenizer, prompt["prompt_token_ids"], p)[0]
+    # Int8 activations: each request's tokens in the batch equal it served alone, in int8 too.
+    kernel_calls.clear()
+    int8 = functools.partial(LLMEngine, model, smollm_tokenizer, num_pages=64,
+                             int8_activations=True)
+    batched = tokens_of(int8(), prompts, params)
+    assert ("quantized-int8", 6) in kernel_calls  # the six decode rows, in int8
+    for prompt, p, got in zip(prompts, params, batched, strict=True):
+        assert got == tokens_of(int8(), [prompt], [p])[0]
+
+
+def test_int8_activations_are_refused_where_they_cannot_serve(smollm_tokenizer):
+    """No silent fallback: float weights, the MLX ops, or a format the int8 kernel does not
+    serve give a clear error before anything is allocated."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.models import make_tiny_model
+
+    import mlx.nn as nn
+
+    with pytest.raises(ValueError, match="this model has none"):
+        LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8, int8_activations=True)
+    with pytest.raises(ValueError, match="needs cpu_kernels=True"):
+        LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8,
+                  int8_activations=True, cpu_kernels=False)
+    with pytest.raises(TypeError, match="int8_activations must be True or False"):
+        LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8, int8_activations=1)
+    model = make_tiny_model("llama")
+    nn.quantize(model.model.layers[0].mlp, group_size=32, bits=3)  # not served: 3 bits
+    nn.quantize(model, group_size=32, bits=4)
+    with pytest.raises(ValueError, match=r"does not serve model\.layers\.0\.mlp"):
+        LLMEngine(model, smollm_tokenizer, num_pages=8, int8_activations=True)

@@ -103,10 +103,13 @@ def assert_nontrivial(logits: mx.array) -> None:
 
 
 def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
-                              decode_kernel: bool = False) -> None:
+                              decode_kernel: bool = False, int8: bool = False,
+                              decode_rtol: float | None = None) -> None:
     """One prompt forward, then DECODE_STEPS greedy steps, ours vs mlx-lm, each with its cache;
     with ``decode_kernel`` the decode steps' matmuls take the extension's kernel as the
-    engine's decode rows do (``tiny_llm/cpu_kernels.py``)."""
+    engine's decode rows do (``tiny_llm/cpu_kernels.py``), with ``int8`` in int8
+    activations; ``decode_rtol``: the decode steps' logits within that fraction of their
+    largest magnitude (else within ``atol``)."""
     tokens = prompt(vocab=ours.config.vocab_size)
     ref_cache = lm_cache.make_prompt_cache(ref)
     our_cache = DenseKVCache(ours.config.num_hidden_layers)
@@ -119,10 +122,11 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
     token = mx.argmax(expected[-1:], axis=-1).astype(mx.int32)
     for step in range(DECODE_STEPS):
         expected = ref(token[None], cache=ref_cache)[0]
-        with kernel_forward(1, enabled=decode_kernel):
+        with kernel_forward(1, enabled=decode_kernel, int8=int8):
             got = ours(token, mx.array([PROMPT_LEN + step]), our_cache)
         assert got.shape == (1, ours.config.vocab_size)
-        assert max_diff(got, expected) <= atol, f"decode step {step} differs from mlx-lm"
+        tolerance = atol if decode_rtol is None else decode_rtol * mx.abs(expected).max().item()
+        assert max_diff(got, expected) <= tolerance, f"decode step {step} differs from mlx-lm"
         token = mx.argmax(expected, axis=-1).astype(mx.int32)
     assert our_cache.length == PROMPT_LEN + DECODE_STEPS
     assert ref_cache[0].offset == PROMPT_LEN + DECODE_STEPS
@@ -176,6 +180,30 @@ def test_quantized_matches_mlx_lm(name, group_size, bits):
     compare_prompt_and_decode(ours, ref, decode_kernel=True)
     # Quantization changed the model (so the comparison above is about quantized weights).
     assert max_diff(forward(ours, prompt()), float_logits) > 1e-2
+
+
+# Int8 activations round each decode row to int8 per 32 values (steps of 1/127 of the
+# group's largest |x|), and every layer adds its rounding: the stated tolerance, against
+# mlx-lm's float products, is a tenth of the largest logit (these tiny random models,
+# hidden size 64, came to 0.079 at most).
+INT8_RTOL = 0.1
+
+
+@pytest.mark.parametrize("group_size, bits", [(32, 4), (64, 8)])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_int8_activations_match_mlx_lm_within_the_stated_tolerance(name, group_size, bits):
+    ours, ref, _ = build_pair(name)
+    nn.quantize(ref, group_size=group_size, bits=bits)
+    nn.quantize(ours, group_size=group_size, bits=bits)
+    ours.load_weights(list(tree_flatten(ref.parameters())))
+    compare_prompt_and_decode(ours, ref, decode_kernel=True, int8=True, decode_rtol=INT8_RTOL)
+    # The rounding is real (the test above holds the float kernel to 1e-4).
+    tokens = mx.array([5, 17, 3], dtype=mx.int32)
+    cache = DenseKVCache(ours.config.num_hidden_layers)
+    forward(ours, tokens[:2], cache=cache)
+    with kernel_forward(1, int8=True):
+        rounded = ours(tokens[2:], mx.array([2]), cache)
+    assert max_diff(rounded, ref(tokens[None])[0, -1:]) > 1e-4
 
 
 def quantize_tensor(w: mx.array, group_size: int, bits: int) -> dict[str, mx.array]:

@@ -84,14 +84,19 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.attr("has_blas_split") = tiny_llm::kHasBlasSplit;
   m.def("quantized_linear_group", &tiny_llm::quantized_linear, "x"_a, "weights"_a, "scales"_a,
         "biases"_a, "group_size"_a, "bits"_a, nb::kw_only(), "blas"_a = false,
-        "stream"_a = nb::none(),
+        "int8"_a = false, "stream"_a = nb::none(),
         "[x @ dequantize(w, s, b).T for each (w, s, b)] in float32 on the CPU from MLX's "
         "affine layout; each output does not depend on the other rows of x. blas=True: "
-        "blocks dequantized and multiplied by MLX's BLAS on the worker pool (Linux).");
+        "blocks dequantized and multiplied by MLX's BLAS on the worker pool (Linux). "
+        "int8=True: x rounded to int8 per 32 values, integer products (decode rows).");
   m.def(
       "quantized_kernel_serves",
       [](int group_size, int bits) { return tiny_llm::quantized_kernel_serves({group_size, bits}); },
       "group_size"_a, "bits"_a, "Whether quantized_linear_group serves this format.");
+  m.def(
+      "int8_kernel_serves",
+      [](int group_size, int bits) { return tiny_llm::int8_kernel_serves({group_size, bits}); },
+      "group_size"_a, "bits"_a, "Whether quantized_linear_group(int8=True) serves this format.");
   m.def("rope", &tiny_llm::rope, "x"_a, "positions"_a, "inv_freq"_a, "dims"_a, "traditional"_a,
         "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Rotary embedding of x [T, H, D] with one position per row, in float32 on the CPU.");

@@ -38,8 +38,13 @@ struct QuantFormat {
 // Whether the kernels below serve this format (others take MLX's quantized_matmul).
 bool quantized_kernel_serves(QuantFormat format);
 
+// Whether the int8 option serves this format: groups that divide 64-byte blocks of a row
+// (128 weights at 4 bits, 64 at 8) or are a multiple of them.
+bool int8_kernel_serves(QuantFormat format);
+
+// int8: x rounded per 32 values to int8 (see "Int8 activations" above).
 void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& parts, int64_t M,
-                          int64_t K, QuantFormat format);
+                          int64_t K, QuantFormat format, bool int8 = false);
 
 void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart>& parts,
                                  int64_t M, int64_t K, QuantFormat format);

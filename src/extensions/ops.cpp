@@ -218,11 +218,11 @@ void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
                      outputs[i].data<float>(), w.shape(0)});
   }
   enc.dispatch([x = x.data<float>(), parts = std::move(parts), m = x.shape(0), k = x.shape(1),
-                format = QuantFormat{group_, bits_}, blas = blas_]() {
+                format = QuantFormat{group_, bits_}, blas = blas_, int8 = int8_]() {
     if (blas) {
       quantized_linear_blas_split(x, parts, m, k, format);
     } else {
-      quantized_linear_cpu(x, parts, m, k, format);
+      quantized_linear_cpu(x, parts, m, k, format, int8);
     }
   });
 }
@@ -338,7 +338,7 @@ std::vector<mx::array> quantized_linear(const mx::array& x,
                                         const std::vector<mx::array>& weights,
                                         const std::vector<mx::array>& scales,
                                         const std::vector<mx::array>& biases, int group,
-                                        int bits, bool blas, mx::StreamOrDevice s) {
+                                        int bits, bool blas, bool int8, mx::StreamOrDevice s) {
   check(!weights.empty() && scales.size() == weights.size() && biases.size() == weights.size(),
         "quantized_linear needs one or more weights, each with its scales and biases");
   check(quantized_kernel_serves({group, bits}),
@@ -362,9 +362,13 @@ std::vector<mx::array> quantized_linear(const mx::array& x,
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "quantized_linear runs on CPU streams only");
   check(!blas || kHasBlasSplit, "quantized_linear(blas=True) runs on Linux only");
+  check(!(blas && int8), "quantized_linear: int8 rows are decode rows, not blas=True ones");
+  check(!int8 || int8_kernel_serves({group, bits}),
+        "quantized_linear(int8=True) serves groups that divide 64 bytes of packed weights or "
+        "are a multiple of them (32, 64 or 128 at 4 bits)");
   return mx::array::make_arrays(std::move(shapes),
                                 std::vector<mx::Dtype>(weights.size(), mx::float32),
-                                std::make_shared<QuantizedLinear>(stream, group, bits, blas),
+                                std::make_shared<QuantizedLinear>(stream, group, bits, blas, int8),
                                 inputs);
 }
 

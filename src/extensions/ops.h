@@ -13,11 +13,12 @@
 //       CPU stream: the model's matmuls, each weight row read once for all rows (the decode
 //       rows), or with blas, MLX's BLAS split over the worker pool (the prefill rows); the
 //       weights of one call share one run of the pool (cpu_linear.h).
-//   quantized_linear(x [M, K], [(w_i, scales_i, biases_i), ...], group, bits, blas)
+//   quantized_linear(x [M, K], [(w_i, scales_i, biases_i), ...], group, bits, blas, int8)
 //       -> [x @ W_i^T [M, N_i], ...], W_i in MLX's affine layout (packed uint32 w_i
 //       [N_i, K * bits / 32], float32 scales_i and biases_i [N_i, K / group]), on a CPU
-//       stream: the decode rows from the packed bytes, or with blas the prefill rows from
-//       dequantized blocks by MLX's BLAS (cpu_qlinear.h).
+//       stream: the decode rows from the packed bytes (with int8, x rounded to int8 per
+//       32 values first), or with blas the prefill rows from dequantized blocks by MLX's
+//       BLAS (cpu_qlinear.h).
 //   rope(x [T, H, D], positions int32 [T], inv_freq [dims / 2], dims, traditional, scale)
 //       -> [T, H, D], float32 on a CPU stream: RoPE with a position per row (cpu_layers.h).
 //   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
@@ -64,7 +65,8 @@ std::vector<mx::array> quantized_linear(const mx::array& x,
                                         const std::vector<mx::array>& weights,
                                         const std::vector<mx::array>& scales,
                                         const std::vector<mx::array>& biases, int group,
-                                        int bits, bool blas = false, mx::StreamOrDevice s = {});
+                                        int bits, bool blas = false, bool int8 = false,
+                                        mx::StreamOrDevice s = {});
 
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq,
                int dims, bool traditional, float scale, mx::StreamOrDevice s = {});
@@ -120,19 +122,19 @@ class Linear : public mx::Primitive {
 // Inputs: x [M, K] float32, then (w_i, scales_i, biases_i) per part. Outputs: x @ W_i^T.
 class QuantizedLinear : public mx::Primitive {
  public:
-  QuantizedLinear(mx::Stream stream, int group, int bits, bool blas)
-      : mx::Primitive(stream), group_(group), bits_(bits), blas_(blas) {}
+  QuantizedLinear(mx::Stream stream, int group, int bits, bool blas, bool int8)
+      : mx::Primitive(stream), group_(group), bits_(bits), blas_(blas), int8_(int8) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "QuantizedLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedLinear&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && blas_ == o.blas_;
+    return group_ == o.group_ && bits_ == o.bits_ && blas_ == o.blas_ && int8_ == o.int8_;
   }
 
  private:
   int group_, bits_;
-  bool blas_;
+  bool blas_, int8_;
 };
 
 // Inputs: x [T, H, D] float32, positions int32 [T], inv_freq float32 [dims / 2].

@@ -45,6 +45,16 @@ bytes) in an order that depends on nothing but K, the group size and the bit wid
 prefill rows by blocks dequantized to float32 for the split BLAS. It serves 4 and 8 bits
 in groups of a multiple of 32; other formats take MLX's ``quantized_matmul``.
 
+**Int8 activations, an option** (``EngineConfig(int8_activations=True)``,
+``--int8-activations``): the decode rows of quantized layers are rounded to int8 per 32
+values (scale ``max|x| / 127``) and multiplied by the packed weights as integers, exactly,
+then scaled once per lane, as llama.cpp does for its quantized formats. Logits move by
+the rounding (the tests state how far from MLX's float products); a row's result still
+depends on nothing but the row, so batch invariance holds as before. It pays from a few
+rows up, where the float kernel is bound by unpacking the weights (``int8_kernel_serves``
+names the formats: 4 and 8 bits, groups of 32, 64 or 128 and other divisors or multiples
+of 64 bytes of packed weights).
+
 **One pass for a layer's projections.** ``apply_linears(x, q_proj, k_proj, v_proj)`` (and
 gate with up) multiplies one input by several weights in one call of the kernels: one run
 of the worker pool for all their blocks, so the small k and v matrices do not each end
@@ -70,20 +80,25 @@ import mlx.nn as nn
 # Inside kernel_forward: the step's decode rows; outside: None (MLX's ops alone).
 _decode_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_rows",
                                                                         default=None)
+# Inside kernel_forward(int8=True): quantized layers' decode rows take int8 activations.
+_int8_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_rows", default=False)
 
 
 # ANCHOR: kernel_forward
 @contextlib.contextmanager
-def kernel_forward(decode_rows: int, enabled: bool = True) -> Iterator[None]:
+def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False) -> Iterator[None]:
     """An engine step's forward. With ``enabled``, the model's CPU ops take the extension's
     kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
-    logits) belong to single-row sequences."""
+    logits) belong to single-row sequences. With ``int8``, quantized layers multiply those
+    rows with int8 activations (``quantized_linears``)."""
     # Checked once per forward, not per layer: the device and the extension do not change.
     on = enabled and mx.default_device().type == mx.DeviceType.cpu and native() is not None
     token = _decode_rows.set(decode_rows if on else None)
+    int8_token = _int8_rows.set(int8 and on)
     try:
         yield
     finally:
+        _int8_rows.reset(int8_token)
         _decode_rows.reset(token)
 
 
@@ -116,13 +131,32 @@ def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
             or not kernels_on(x, *(layer.scales for layer in layers))
             or not native().quantized_kernel_serves(first.group_size, first.bits)):
         return [mlx_quantized_matmul(x, layer) for layer in layers]
-    ext, fmt = native(), (first.group_size, first.bits)
+    ext, fmt, int8 = native(), (first.group_size, first.bits), _int8_rows.get()
     packed = ([layer.weight for layer in layers], [layer.scales for layer in layers],
               [layer.biases for layer in layers])
     return _by_row_kind(
-        x, lambda rows: ext.quantized_linear_group(rows, *packed, *fmt),
+        x, lambda rows: ext.quantized_linear_group(rows, *packed, *fmt, int8=int8),
         lambda rows: (ext.quantized_linear_group(rows, *packed, *fmt, blas=True) if split_blas()
                       else [mlx_quantized_matmul(rows, layer) for layer in layers]))
+
+
+def check_int8_activations(model: nn.Module) -> None:
+    """Raise ValueError unless int8 activations can serve ``model``: on a CPU with the
+    extension built, and quantized layers (weights kept as stored) all in formats the int8
+    kernel serves."""
+    if mx.default_device().type != mx.DeviceType.cpu or native() is None:
+        raise ValueError("int8_activations runs on the extension's CPU kernels: it needs the "
+                         "CPU as the default device and the extension built")
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    if not layers:
+        raise ValueError("int8_activations multiplies quantized weights: this model has none "
+                         "(load it with dequantize=False, --quantized on the command line)")
+    for name, m in layers:
+        if (m.mode != "affine" or m.get("biases") is None
+                or not native().int8_kernel_serves(m.group_size, m.bits)):
+            raise ValueError(f"int8_activations does not serve {name} ({m.bits} bits, groups "
+                             f"of {m.group_size}, mode {m.mode!r})")
 
 
 def mlx_quantized_matmul(x: mx.array, layer: nn.Module) -> mx.array:

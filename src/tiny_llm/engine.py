@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tiny_llm.cpu_kernels import kernel_forward
+from tiny_llm.cpu_kernels import check_int8_activations, kernel_forward
 from tiny_llm.day1_batching import POLICIES, DenseAttention, DenseSlots, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.day3_paged_kv import (
@@ -123,6 +123,7 @@ class EngineConfig:
     speculative_max_batch: int = 16  # no drafts above this many running requests (measured)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
+    int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -136,9 +137,13 @@ class EngineConfig:
                             ("long_prefill_token_threshold", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), least)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
+                     "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.int8_activations and not self.cpu_kernels:
+            raise ValueError("int8_activations is a mode of the CPU kernels: it needs "
+                             "cpu_kernels=True")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -218,6 +223,8 @@ class LLMEngine:
                 f"({cfg.max_num_batched_tokens}) must be at least max_model_len "
                 f"({self.max_model_len})"
             )
+        if cfg.int8_activations:
+            check_int8_activations(model)
         backend = ATTENTION_BACKENDS[cfg.attention]
         backend.check(AttentionGeometry.of(model.config, cfg.page_size if paged else None,
                                            model.dtype))  # before any memory is allocated
@@ -442,7 +449,8 @@ class LLMEngine:
             return
         batch = StepBatch.build(chunks, self.kv)
         self.attention.begin_step(batch)
-        with kernel_forward(batch.decode_rows, enabled=self.config.cpu_kernels):
+        with kernel_forward(batch.decode_rows, enabled=self.config.cpu_kernels,
+                            int8=self.config.int8_activations):
             logits = self.model(batch.token_ids, batch.positions, self.attention,
                                 batch.logit_rows)
         mx.eval(logits, self.attention.state())
