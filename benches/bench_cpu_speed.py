@@ -3,7 +3,7 @@ without the extension's CPU kernels, next to mlx-lm's ``batch_generate`` and the
 bound of the workload.
 
 The workload: 32 requests of seeded random token ids, prompts of 32-512 tokens and
-32-128 output tokens each (greedy, ``ignore_eos``), all added at once. Four ways to serve
+32-128 output tokens each (greedy, ``ignore_eos``), all added at once. Five ways to serve
 it, each alone in turn, the order rotated every round (``--rounds``, default 3; medians):
 
 - ``MLX ops``: the default engine with ``cpu_kernels=False``: every matmul by MLX's
@@ -14,6 +14,10 @@ it, each alone in turn, the order rotated every round (``--rounds``, default 3; 
   the extension's one op;
 - ``kernels, 16 slots``: the same with ``max_num_seqs=16``, the default before it became
   32 (as many requests at once as mlx-lm's ``batch_generate`` runs by default);
+- ``as stored, int8``: the default engine on the GGUF's weights as stored (4-bit layers,
+  an 8-bit embedding: ``--quantized``) with ``int8_activations=True``
+  (``--int8-activations``). A different model in its numbers, so its tokens are not
+  float32's;
 - ``mlx-lm``: ``mlx_lm.generate.batch_generate`` with its defaults, on mlx-lm's Llama class
   holding the very same float32 arrays, through the same OpenBLAS.
 
@@ -41,7 +45,7 @@ from typing import Any
 from tiny_llm.engine import LLMEngine
 
 import mlx.core as mx
-from bench_cpu_decode import gemm_rate, matmul_params
+from bench_cpu_decode import gemm_rate, matmul_params, stored_model
 from bench_week3_day5 import StubTokenizer
 from common import (
     Table,
@@ -61,7 +65,9 @@ ENGINES: dict[str, dict[str, Any]] = {
     "MLX ops": {"cpu_kernels": False},
     "kernels, 16 slots": {"max_num_seqs": 16},
     "kernels": {},
+    "as stored, int8": {"int8_activations": True},
 }
+STORED = {"as stored, int8"}  # these labels serve the weights as stored
 MLX_LM = "mlx-lm batch_generate"
 
 
@@ -139,7 +145,8 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
                  "requests with MLX ops' tokens"],
         rows=rows, formats=["", ".1f", ".1f", ".2f", ".2f", ""],
         note=(f"{data['requests']} requests at once, {data['prompt_tokens']} prompt and "
-              f"{data['output_tokens']} output tokens (greedy, ignore_eos); default engine. "
+              f"{data['output_tokens']} output tokens (greedy, ignore_eos); default engine; "
+              "as stored, int8: the GGUF's 4- and 8-bit weights, int8 activations. "
               f"Compute bound: the workload's {data['matmul_TFLOP']:.2f} TFLOP of matmuls "
               f"(every token through the linear layers, output tokens through the vocabulary "
               f"projection) at {data['gemm_all_cores_GFLOPs']:.1f} GFLOP/s (a 1024^3 float32 "
@@ -193,7 +200,7 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
     ax2.set_ylabel("seconds")
     ax2.set_title("engine wall time by step kind")
     ax2.legend(fontsize=8)
-    fig.suptitle(f"{data['model']}, CPU, float32, {data['requests']} requests")
+    fig.suptitle(f"{data['model']}, CPU, {data['requests']} requests")
     fig.tight_layout()
     return fig
 
@@ -206,8 +213,10 @@ def main() -> None:
     model, tokenizer, model_name = load_model(args.quick)
     lm = mlx_lm_model(model)
     prompts, outputs = workload(args.quick, model.config.vocab_size)
-    for options in ENGINES.values():  # warmup
-        serve_engine(model, tokenizer, prompts[:2], [2, 2], **options)
+    stored = stored_model(args.quick)
+    models = {label: stored if label in STORED else model for label in ENGINES}
+    for label, options in ENGINES.items():  # warmup
+        serve_engine(models[label], tokenizer, prompts[:2], [2, 2], **options)
     labels = [*ENGINES, MLX_LM]
     rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in labels}
     rates = []
@@ -217,7 +226,8 @@ def main() -> None:
             if label == MLX_LM:
                 out = serve_mlx_lm(lm, prompts, outputs)
             else:
-                out = serve_engine(model, tokenizer, prompts, outputs, **ENGINES[label])
+                out = serve_engine(models[label], tokenizer, prompts, outputs,
+                                   **ENGINES[label])
             rounds[label].append(out)
             print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {label:24s} "
                   f"{out['wall_s']:6.1f} s, {out['tok_per_s']:.1f} tok/s", flush=True)
