@@ -253,7 +253,8 @@ class Int8Rows {
       for (int64_t g = 0; g < subgroups; ++g) {
         const int64_t end = std::min(K, g * 32 + 32);
         float amax = 0.0f;
-        for (int64_t k = g * 32; k < end; ++k) amax = std::max(amax, std::fabs(row[k]));
+        for (int64_t k = g * 32; k < end; ++k)
+          amax = std::max(amax, std::fabs(row[k]));
         sx[g] = amax / 127.0f;
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
@@ -276,17 +277,22 @@ class Int8Rows {
             staged[j] = block[j];
         }
         // Lane k's group of 32: weights 8k .. 8k + 7 of the block at 4 bits, 4k .. 4k + 3 at 8.
-        for (int k = 0; k < 16; ++k) sx_[m * blocks_ + b][k] = sx[(b * block_weights_ + k * (block_weights_ / 16)) / 32];
+        for (int k = 0; k < 16; ++k)
+          sx_[m * blocks_ + b][k] = sx[(b * block_weights_ + k * (block_weights_ / 16)) / 32];
       }
     }
     // A lane's weight group, from the block's first: groups divide blocks or blocks groups.
-    for (int k = 0; k < 16; ++k) lane_group_[k] = static_cast<int32_t>(k * (block_weights_ / 16) / group_);
+    for (int k = 0; k < 16; ++k)
+      lane_group_[k] = static_cast<int32_t>(k * (block_weights_ / 16) / group_);
     for (int64_t b = 0; b < blocks_; ++b) {
       first_group_.push_back(b * block_weights_ / group_);
-      group_count_.push_back(static_cast<int>(std::min<int64_t>(16, groups_ - first_group_.back())));
+      group_count_.push_back(
+          static_cast<int>(std::min<int64_t>(16, groups_ - first_group_.back())));
     }
   }
-  const int8_t* q(int64_t m, int64_t b) const { return q_.data() + (m * blocks_ + b) * block_weights_; }
+  const int8_t* q(int64_t m, int64_t b) const {
+    return q_.data() + (m * blocks_ + b) * block_weights_;
+  }
   const F16& sx(int64_t m, int64_t b) const { return sx_[m * blocks_ + b]; }
   const F16* sums(int64_t m) const { return sums_.data() + m * sum_vectors_; }
   int64_t groups() const { return groups_; }
