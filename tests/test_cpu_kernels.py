@@ -841,6 +841,9 @@ def test_int8_activations_are_refused_where_they_cannot_serve(smollm_tokenizer):
     with pytest.raises(ValueError, match="needs cpu_kernels=True"):
         LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8,
                   int8_activations=True, cpu_kernels=False)
+    with pytest.raises(ValueError, match="speculative decoding verifies drafts"):
+        LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8,
+                  int8_activations=True, speculative="ngram")
     with pytest.raises(TypeError, match="int8_activations must be True or False"):
         LLMEngine(make_tiny_model("llama"), smollm_tokenizer, num_pages=8, int8_activations=1)
     model = make_tiny_model("llama")

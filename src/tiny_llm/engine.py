@@ -144,6 +144,11 @@ class EngineConfig:
         if self.int8_activations and not self.cpu_kernels:
             raise ValueError("int8_activations is a mode of the CPU kernels: it needs "
                              "cpu_kernels=True")
+        if self.int8_activations and self.speculative != "off":
+            # Verification rows are not decode rows: they would keep float32 activations,
+            # and a request's tokens would mix the two roundings.
+            raise ValueError("int8_activations rounds decode rows only; speculative "
+                             "decoding verifies drafts in rows of several tokens: choose one")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
