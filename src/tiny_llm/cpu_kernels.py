@@ -128,12 +128,14 @@ def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
     ``quantized_matmul``."""
     first = layers[0]
     if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or first.get("biases") is None
-            or not kernels_on(x, *(layer.scales for layer in layers))
+            or not kernels_on(x, *(layer["scales"] for layer in layers))
             or not native().quantized_kernel_serves(first.group_size, first.bits)):
         return [mlx_quantized_matmul(x, layer) for layer in layers]
     ext, fmt, int8 = native(), (first.group_size, first.bits), _int8_rows.get()
-    packed = ([layer.weight for layer in layers], [layer.scales for layer in layers],
-              [layer.biases for layer in layers])
+    # A module's parameters are its dict's items: layer["weight"] reads them directly, where
+    # layer.weight goes through nn.Module.__getattr__ (Python), hundreds of times a step.
+    packed = ([layer["weight"] for layer in layers], [layer["scales"] for layer in layers],
+              [layer["biases"] for layer in layers])
     return _by_row_kind(
         x, lambda rows: ext.quantized_linear_group(rows, *packed, *fmt, int8=int8),
         lambda rows: (ext.quantized_linear_group(rows, *packed, *fmt, blas=True) if split_blas()
@@ -246,13 +248,14 @@ def apply_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
     and up), in one call of the kernels where the layers are all ``Linear`` or all
     ``QuantizedLinear`` of one format; otherwise each by its own."""
     if all(isinstance(layer, Linear) for layer in layers):
-        ys = linears(x, [layer.weight for layer in layers])
+        ys = linears(x, [layer["weight"] for layer in layers])  # as in quantized_linears
     elif all(isinstance(layer, QuantizedLinear) for layer in layers) and len(
             {(layer.group_size, layer.bits, layer.mode) for layer in layers}) == 1:
         ys = quantized_linears(x, list(layers))
     else:
         return [layer(x) for layer in layers]
-    return [y + layer.bias if "bias" in layer else y for y, layer in zip(ys, layers, strict=True)]
+    return [y + layer["bias"] if "bias" in layer else y
+            for y, layer in zip(ys, layers, strict=True)]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -260,8 +263,9 @@ class RMSNorm(nn.RMSNorm):
     one op (MLX's CPU ``rms_norm`` is a chain of ops)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if kernels_on(x, self.weight):
-            return native().rms_norm(x, self.weight, self.eps)
+        weight = self["weight"]  # a dict read, as in quantized_linears
+        if kernels_on(x, weight):
+            return native().rms_norm(x, weight, self.eps)
         return super().__call__(x)
 
 
