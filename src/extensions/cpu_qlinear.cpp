@@ -516,17 +516,45 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
 
 namespace {
 
-// Weight rows n0 .. n1 - 1 of `part` as float32 [n1 - n0, K]: s * q + b, as mx.dequantize.
+// Lanes 0-7 (Half 0) or 8-15 (Half 1) of a and b, interleaved: a[i], b[i], a[i + 1], ...
+template <int Half>
+inline F16 interleave(F16 a, F16 b) {
+  constexpr int h = 8 * Half;
+#if defined(__clang__) || __GNUC__ >= 12
+  return __builtin_shufflevector(a, b, h, 16 + h, h + 1, 17 + h, h + 2, 18 + h, h + 3, 19 + h,
+                                 h + 4, 20 + h, h + 5, 21 + h, h + 6, 22 + h, h + 7, 23 + h);
+#else
+  return __builtin_shuffle(a, b, I16{h, 16 + h, h + 1, 17 + h, h + 2, 18 + h, h + 3, 19 + h,
+                                     h + 4, 20 + h, h + 5, 21 + h, h + 6, 22 + h, h + 7, 23 + h});
+#endif
+}
+
+// Weight rows n0 .. n1 - 1 of `part` as float32 [n1 - n0, K]: s * q + b (a fused multiply-add,
+// one rounding), sixteen weights at a time (a scalar loop took about 1 ns a weight: 0.13 s
+// for one prefill step's weights on the development machine).
 void dequantize_rows(const QuantizedPart& part, int64_t n0, int64_t n1, int64_t K,
                      QuantFormat format, float* out) {
   const int64_t groups = K / format.group, row_bytes = K * format.bits / 8;
   const auto* bytes = reinterpret_cast<const uint8_t*>(part.w);
-  for (int64_t n = n0; n < n1; ++n, out += K) {
+  for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = bytes + n * row_bytes;
-    for (int64_t k = 0; k < K; ++k) {
-      const int q = format.bits == 4 ? (w[k / 2] >> (4 * (k % 2))) & 15 : w[k];
-      const int64_t g = n * groups + k / format.group;
-      out[k] = part.scales[g] * static_cast<float>(q) + part.biases[g];
+    for (int64_t g = 0; g < groups; ++g) {
+      const F16 s = splat(part.scales[n * groups + g]), b = splat(part.biases[n * groups + g]);
+      for (int64_t k = 0; k < format.group; w += kBytesPerChunk) {
+        const I16 q = load_bytes(w);
+        if (format.bits == 4) {  // byte j: weights 2j (low nibble) and 2j + 1
+          const F16 even = fma16(__builtin_convertvector(q & 15, F16), s, b);
+          const F16 odd = fma16(__builtin_convertvector(q >> 4, F16), s, b);
+          const F16 halves[2] = {interleave<0>(even, odd), interleave<1>(even, odd)};
+          std::memcpy(out + k, halves, sizeof halves);
+          k += 32;
+        } else {
+          const F16 all = fma16(__builtin_convertvector(q, F16), s, b);
+          std::memcpy(out + k, &all, sizeof all);
+          k += 16;
+        }
+      }
+      out += format.group;
     }
   }
 }

@@ -12,7 +12,7 @@
 // 32 (the formats of the default checkpoint and of mlx-lm's 4- and 8-bit models).
 //
 // Prefill rows are compute-bound: the blas variant dequantizes a block of weight rows into
-// float32 (s * q + b, as mx.dequantize) and multiplies it with MLX's BLAS, the blocks spread
+// float32 (s * q + b, sixteen at a time) and multiplies it with MLX's BLAS, the blocks spread
 // over the worker pool (Linux only, like linear_blas_split).
 #pragma once
 
