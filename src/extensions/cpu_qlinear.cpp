@@ -222,7 +222,8 @@ void rows_against_weight_row(const StagedRows& rows, int64_t m0, int64_t m1,
 // Int8 activations (the int8 option): each row of x rounded per 32 values to integers
 // xq in -127 .. 127 with the scale sx = max|x| / 127 of those 32, so that a group's
 // sum of q * x becomes a sum of products of small integers: exact in int32, whatever
-// instructions compute it (AVX-512 VNNI's vpdpbusd does 64 of them in one instruction),
+// instructions compute it (AVX-512 VNNI's vpdpbusd does 64 of them in one instruction,
+// AVX2's vpmaddubsw and vpmaddwd 32 in two),
 // and one float multiply per lane after. The weights are read as 64-byte blocks (128
 // weights at 4 bits, 64 at 8), and lane k of a block's sum holds its bytes 4k .. 4k + 3
 // (at 4 bits both nibbles of each): eight weights (four at 8 bits) of one group of 32.
@@ -348,6 +349,54 @@ inline I16 products(const WeightBlock& w, const int8_t* xq) {
     sum = _mm512_dpbusd_epi32(sum, w.part[1], _mm512_loadu_si512(xq + kBlockBytes));
   return reinterpret_cast<I16>(sum);
 }
+#elif defined(__AVX2__)
+// Two 32-byte halves. vpmaddubsw adds pairs of u8 * s8 products in int16, which holds
+// 2 * 15 * 127 (4 bits) but not 2 * 255 * 127: at 8 bits the bytes go in as their low seven
+// bits and their top bit, and the top bit's sums are shifted by 7. Exact either way.
+struct WeightBlock {
+  __m256i part[2][2];  // [low nibbles or low seven bits; high nibbles or top bit][half]
+};
+
+template <int BITS>
+inline WeightBlock unpack(const uint8_t* w, int count) {
+  alignas(32) uint8_t tail[kBlockBytes] = {};
+  if (count < kBlockBytes) std::memcpy(tail, w, count), w = tail;
+  WeightBlock out;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+    if constexpr (BITS == 4) {
+      const __m256i low4 = _mm256_set1_epi8(15);
+      out.part[0][h] = _mm256_and_si256(bytes, low4);
+      out.part[1][h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    } else {
+      out.part[0][h] = _mm256_and_si256(bytes, _mm256_set1_epi8(127));
+      out.part[1][h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 7), _mm256_set1_epi8(1));
+    }
+  }
+  return out;
+}
+
+// Lane k: the sum of the products of bytes 4k .. 4k + 3 with the staged xq.
+template <int BITS>
+inline I16 products(const WeightBlock& w, const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto dot = [&](__m256i bytes, const int8_t* x) {  // four bytes' products per int32 lane
+    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, xs), ones);
+  };
+  __m256i sum[2];
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (BITS == 4)
+      sum[h] = _mm256_add_epi32(dot(w.part[0][h], xq + 32 * h),
+                                dot(w.part[1][h], xq + kBlockBytes + 32 * h));
+    else
+      sum[h] = _mm256_add_epi32(dot(w.part[0][h], xq + 32 * h),
+                                _mm256_slli_epi32(dot(w.part[1][h], xq + 32 * h), 7));
+  }
+  I16 out;
+  std::memcpy(&out, sum, sizeof out);
+  return out;
+}
 #else
 struct WeightBlock {
   uint8_t part[2][kBlockBytes];
@@ -416,7 +465,7 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
 // ANCHOR_END: qlinear_int8_tile
 
 // Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1: tiles of four rows of x, the
-// rows left over against two (three rows) or four (one or two) weight rows at a time.
+// rows left over against two (three or two rows) or four (one row) weight rows at a time.
 template <int BITS>
 void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1, int64_t n0,
                                    int64_t n1, const uint8_t* bytes, int64_t row_bytes,
