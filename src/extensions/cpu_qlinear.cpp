@@ -225,28 +225,28 @@ void rows_against_weight_row(const StagedRows& rows, int64_t m0, int64_t m1,
 // xq in -127 .. 127 with the scale sx = max|x| / 127 of those 32, so that a group's
 // sum of q * x becomes a sum of products of small integers: exact in int32, whatever
 // instructions compute it (AVX-512 VNNI's vpdpbusd does 64 of them in one instruction,
-// AVX2's vpmaddubsw and vpmaddwd 32 in two),
-// and one float multiply per lane after. The weights are read as 64-byte blocks (128
-// weights at 4 bits, 64 at 8), and lane k of a block's sum holds its bytes 4k .. 4k + 3
-// (at 4 bits both nibbles of each): eight weights (four at 8 bits) of one group of 32.
-// Staged once per call, zero past K: each block's bytes of xq in the order of the
-// packed bytes (at 4 bits the low nibbles' partners, then the high ones'), each lane's
-// sx, and for the bias term each weight group's sum of the rounded x (sx * the sum of
-// xq, over its 32s in order). The rounded sum, not x's own: then the whole product is
-// W times the rounded x, whose error sum(w * (rounded - x)) is small because a row's
-// weights are centred, where s * q alone is not.
+// AVX2's vpmaddubsw and vpmaddwd 32 in two), and one float multiply per lane after.
+// The weights are read as 64-byte blocks (128 weights at 4 bits, 64 at 8), and lane k of
+// a block's sum holds its bytes 4k .. 4k + 3 (at 4 bits both nibbles of each): eight
+// weights (four at 8 bits) of one group of 32. Staged once per call, zero past K: each
+// block's bytes of xq in the order of the packed bytes (at 4 bits the low nibbles'
+// partners, then the high ones'), each lane's sx, and for the bias term each weight
+// group's sum of the rounded x (sx * the sum of xq, over its 32s in order). The rounded
+// sum, not x's own: then the whole product is W times the rounded x, whose error
+// sum(w * (rounded - x)) is small because a row's weights are centred, where s * q alone
+// is not.
 constexpr int kBlockBytes = 64;
 
 class Int8Rows {
  public:
   Int8Rows(const float* x, int64_t M, int64_t K, QuantFormat format)
-      : bits_(format.bits), group_(format.group), groups_(K / format.group),
-        sum_vectors_((groups_ + 15) / 16),
+      : groups_(K / format.group), sum_vectors_((groups_ + 15) / 16),
         block_weights_(format.bits == 4 ? 2 * kBlockBytes : kBlockBytes),
         blocks_((K + block_weights_ - 1) / block_weights_),
         q_(static_cast<size_t>(M * blocks_ * block_weights_), 0), sx_(M * blocks_),
         sums_(M * sum_vectors_) {
     const int64_t padded = blocks_ * block_weights_, subgroups = padded / 32;
+    const int64_t group = format.group;
     std::vector<int8_t> xq(padded);
     std::vector<float> sx(subgroups);
     for (int64_t m = 0; m < M; ++m) {
@@ -264,8 +264,8 @@ class Int8Rows {
         for (int64_t k = g * 32; k < end; ++k)
           sum += xq[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
         if (g * 32 < K) {  // std::fma: a compiler may fuse `+= a * b` on some targets only
-          F16& group_sums = sums[g * 32 / group_ / 16];
-          const int64_t lane = g * 32 / group_ % 16;
+          F16& group_sums = sums[g * 32 / group / 16];
+          const int64_t lane = g * 32 / group % 16;
           group_sums[lane] = std::fma(sx[g], static_cast<float>(sum), group_sums[lane]);
         }
       }
@@ -274,7 +274,7 @@ class Int8Rows {
         const int8_t* block = xq.data() + b * block_weights_;
         int8_t* staged = out + b * block_weights_;
         for (int j = 0; j < kBlockBytes; ++j) {
-          if (bits_ == 4)
+          if (format.bits == 4)
             staged[j] = block[2 * j], staged[kBlockBytes + j] = block[2 * j + 1];
           else
             staged[j] = block[j];
@@ -286,9 +286,9 @@ class Int8Rows {
     }
     // A lane's weight group, from the block's first: groups divide blocks or blocks groups.
     for (int k = 0; k < 16; ++k)
-      lane_group_[k] = static_cast<int32_t>(k * (block_weights_ / 16) / group_);
+      lane_group_[k] = static_cast<int32_t>(k * (block_weights_ / 16) / group);
     for (int64_t b = 0; b < blocks_; ++b) {
-      first_group_.push_back(b * block_weights_ / group_);
+      first_group_.push_back(b * block_weights_ / group);
       group_count_.push_back(
           static_cast<int>(std::min<int64_t>(16, groups_ - first_group_.back())));
     }
@@ -315,8 +315,7 @@ class Int8Rows {
   }
 
  private:
-  int bits_;
-  int64_t group_, groups_, sum_vectors_, block_weights_, blocks_;
+  int64_t groups_, sum_vectors_, block_weights_, blocks_;
   std::vector<int8_t> q_;
   std::vector<F16> sx_, sums_;
   I16 lane_group_;
