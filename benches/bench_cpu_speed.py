@@ -30,7 +30,7 @@ each prompt and output token, and of the vocabulary projection for each output t
 only rows whose logits are needed); attention's few flops are left out. Greedy tokens are
 compared request by request.
 
-    python benches/bench_cpu_speed.py          # about 10 minutes on 2 cores
+    python benches/bench_cpu_speed.py          # about 12 minutes on 2 cores
     python benches/bench_cpu_speed.py --quick  # tiny random model, writes *_quick.*
 """
 
