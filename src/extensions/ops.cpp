@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_attention.h"
+#include "cpu_decoder.h"
 #include "cpu_linear.h"
 #include "cpu_qlinear.h"
 #include "cpu_layers.h"
@@ -281,6 +282,92 @@ void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("RmsNorm: GPU streams use mx.fast.rms_norm (tiny_llm/cpu_kernels.py)");
 }
 
+namespace {
+
+// The `parts` projections of a decoder op from inputs[first ...] (one array a part for
+// float32 weights, three for packed ones); `first` moves past them.
+Projections read_projections(const std::vector<mx::array>& inputs, size_t& first, int parts,
+                             int group, int bits, bool int8, mx::cpu::CommandEncoder& enc) {
+  Projections p{bits, group, int8 && bits != 0, {}, {}, {}, {}};
+  for (int i = 0; i < parts; ++i) {
+    const auto w = row_major(inputs[first++], enc);
+    p.weights.push_back(w.data<void>());
+    p.rows.push_back(w.shape(0));
+    if (bits) {
+      p.scales.push_back(row_major(inputs[first++], enc).data<float>());
+      p.biases.push_back(row_major(inputs[first++], enc).data<float>());
+    }
+  }
+  return p;
+}
+
+}  // namespace
+
+void DecoderQkv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
+  const auto x = row_major(inputs[0], enc);
+  const auto norm = row_major(inputs[1], enc);
+  const auto positions = row_major(inputs[2], enc);
+  const auto inv_freq = row_major(inputs[3], enc);
+  size_t next = 4;
+  Projections proj = read_projections(inputs, next, 3, group_, bits_, options_.int8, enc);
+  std::array<const float*, 3> biases{};
+  for (auto& b : biases)
+    if (biases_) b = row_major(inputs[next++], enc).data<float>();
+  const float* q_norm = qk_norms_ ? row_major(inputs[next++], enc).data<float>() : nullptr;
+  const float* k_norm = qk_norms_ ? row_major(inputs[next++], enc).data<float>() : nullptr;
+  const auto& o = options_;
+  const DecoderQkvShape g{x.shape(0), x.shape(1), o.n_heads, o.n_kv_heads,
+                          static_cast<int>(outputs[0].shape(2)), o.eps, o.qk_eps, o.rope_dims,
+                          o.rope_traditional, o.rope_scale};
+  enc.dispatch([x = x.data<float>(), norm = norm.data<float>(), proj = std::move(proj), biases,
+                q_norm, k_norm, p = positions.data<int32_t>(), f = inv_freq.data<float>(),
+                q = outputs[0].data<float>(), k = outputs[1].data<float>(),
+                v = outputs[2].data<float>(), g]() {
+    decoder_qkv_cpu(x, norm, proj, biases.data(), q_norm, k_norm, p, f, q, k, v, g);
+  });
+}
+
+void DecoderQkv::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DecoderQkv: GPU streams run the model op by op");
+}
+
+void DecoderRest::eval_cpu(const std::vector<mx::array>& inputs,
+                           std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
+  std::vector<mx::array> in;
+  for (size_t i = 0; i < 8; ++i) in.push_back(row_major(inputs[i], enc));
+  const auto &h = in[0], &q = in[1], &k = in[2];
+  size_t next = 8;
+  Projections o_proj = read_projections(inputs, next, 1, formats_[0].first, formats_[0].second,
+                                        int8_, enc);
+  Projections gate_up = read_projections(inputs, next, 2, formats_[1].first,
+                                         formats_[1].second, int8_, enc);
+  Projections down = read_projections(inputs, next, 1, formats_[2].first, formats_[2].second,
+                                      int8_, enc);
+  const CpuAttentionShape attention{static_cast<int>(in[5].shape(0)),
+                                    static_cast<int>(in[4].shape(1)),
+                                    static_cast<int>(q.shape(1)),
+                                    static_cast<int>(k.shape(2)),
+                                    static_cast<int>(q.shape(2)),
+                                    static_cast<int>(k.shape(1)),
+                                    scale_,
+                                    tiled_ ? kCpuQueryTile : 1};
+  const DecoderRestShape g{h.shape(0), h.shape(1), gate_up.rows[0], eps_, attention};
+  enc.dispatch([h = h.data<float>(), q = q.data<float>(), k = k.data<float>(),
+                v = in[3].data<float>(), table = in[4].data<int32_t>(),
+                ctx = in[5].data<int32_t>(), qsl = in[6].data<int32_t>(),
+                post = in[7].data<float>(), o_proj = std::move(o_proj),
+                gate_up = std::move(gate_up), down = std::move(down),
+                out = outputs[0].data<float>(), g]() {
+    decoder_rest_cpu(h, q, k, v, table, ctx, qsl, o_proj, post, gate_up, down, out, g);
+  });
+}
+
+void DecoderRest::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DecoderRest: GPU streams run the model op by op");
+}
+
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Rope&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
@@ -442,5 +529,131 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
   return {write(k_pages, k_new), write(v_pages, v_new)};
 }
 // ANCHOR_END: op_entry
+
+namespace {
+
+// Checks one projection argument of the decoder ops and appends its arrays to `inputs`:
+// `parts` weight matrices of K columns; returns their rows N_i.
+std::vector<int64_t> add_projections(const ProjectionArrays& proj, int parts, int64_t K,
+                                     bool int8, std::vector<mx::array>& inputs,
+                                     const std::string& what) {
+  const auto& [arrays, group, bits] = proj;
+  const size_t per_part = bits ? 3 : 1;
+  check(arrays.size() == parts * per_part,
+        what + " needs " + std::to_string(parts) + " weights (with scales and biases when "
+        "quantized)");
+  if (bits) {
+    check(quantized_kernel_serves({group, bits}) && K % group == 0,
+          what + ": the quantized kernel does not serve this format");
+    check(!int8 || int8_kernel_serves({group, bits}), what + ": int8 does not serve this format");
+  }
+  std::vector<int64_t> rows;
+  for (int i = 0; i < parts; ++i) {
+    const auto& w = arrays[i * per_part];
+    if (bits) {
+      const auto &sc = arrays[i * per_part + 1], &b = arrays[i * per_part + 2];
+      const mx::Shape groups{w.shape(0), static_cast<int>(K / group)};
+      check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(1) == K * bits / 32 &&
+                sc.shape() == groups && b.shape() == groups && sc.dtype() == mx::float32 &&
+                b.dtype() == mx::float32,
+            what + " needs packed uint32 weights [N, K * bits / 32] and float32 scales and "
+            "biases [N, K / group]");
+    } else {
+      check(w.ndim() == 2 && w.dtype() == mx::float32 && w.shape(1) == K,
+            what + " needs float32 weights [N, K]");
+    }
+    rows.push_back(w.shape(0));
+  }
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  return rows;
+}
+
+bool is_vector(const mx::array& a, int64_t n) {
+  return a.ndim() == 1 && a.shape(0) == n && a.dtype() == mx::float32;
+}
+
+}  // namespace
+
+std::vector<mx::array> decoder_qkv(const mx::array& x, const mx::array& norm_weight,
+                                   const ProjectionArrays& qkv, const mx::array& positions,
+                                   const mx::array& inv_freq,
+                                   const std::vector<mx::array>& qkv_biases,
+                                   const std::vector<mx::array>& qk_norms,
+                                   const DecoderQkvOptions& o, mx::StreamOrDevice s) {
+  check(x.ndim() == 2 && x.dtype() == mx::float32, "decoder_qkv needs float32 x [T, dim]");
+  const int64_t T = x.shape(0), dim = x.shape(1);
+  check(is_vector(norm_weight, dim), "decoder_qkv needs a float32 norm weight [dim]");
+  std::vector<mx::array> inputs{x, norm_weight, positions, inv_freq};
+  const auto rows = add_projections(qkv, 3, dim, o.int8, inputs, "decoder_qkv's q/k/v");
+  check(o.n_heads > 0 && o.n_kv_heads > 0 && rows[0] % o.n_heads == 0 &&
+            rows[1] == rows[2] && rows[0] / o.n_heads * o.n_kv_heads == rows[1],
+        "decoder_qkv: q [n_heads * D] and k, v [n_kv_heads * D] projections");
+  const int D = static_cast<int>(rows[0] / o.n_heads);
+  check(positions.dtype() == mx::int32 && positions.ndim() == 1 && positions.shape(0) == T,
+        "decoder_qkv needs int32 positions [T]");
+  check(o.rope_dims > 0 && o.rope_dims % 2 == 0 && o.rope_dims <= D &&
+            is_vector(inv_freq, o.rope_dims / 2),
+        "decoder_qkv needs even rope dims <= head_dim and float32 inv_freq [dims / 2]");
+  check(qkv_biases.empty() || (qkv_biases.size() == 3 && is_vector(qkv_biases[0], rows[0]) &&
+                               is_vector(qkv_biases[1], rows[1]) &&
+                               is_vector(qkv_biases[2], rows[2])),
+        "decoder_qkv's biases: none, or float32 q, k and v biases");
+  check(qk_norms.empty() ||
+            (qk_norms.size() == 2 && is_vector(qk_norms[0], D) && is_vector(qk_norms[1], D)),
+        "decoder_qkv's head norms: none, or float32 q and k norm weights [head_dim]");
+  inputs.insert(inputs.end(), qkv_biases.begin(), qkv_biases.end());
+  inputs.insert(inputs.end(), qk_norms.begin(), qk_norms.end());
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "decoder_qkv runs on CPU streams only");
+  const auto& [arrays, group, bits] = qkv;
+  const int H = o.n_heads, Hkv = o.n_kv_heads;
+  return mx::array::make_arrays(
+      {{static_cast<int>(T), H, D}, {static_cast<int>(T), Hkv, D}, {static_cast<int>(T), Hkv, D}},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<DecoderQkv>(stream, o, group, bits, !qkv_biases.empty(),
+                                   !qk_norms.empty()),
+      inputs);
+}
+
+mx::array decoder_rest(const mx::array& h, const mx::array& q, const mx::array& k_pages,
+                       const mx::array& v_pages, const mx::array& block_table,
+                       const mx::array& context_lens, const mx::array& query_start_loc,
+                       float scale, bool tiled, const ProjectionArrays& o_proj,
+                       const mx::array& post_norm, float eps, const ProjectionArrays& gate_up,
+                       const ProjectionArrays& down, bool int8, mx::StreamOrDevice s) {
+  check(h.ndim() == 2 && h.dtype() == mx::float32, "decoder_rest needs float32 h [T, dim]");
+  check(q.ndim() == 3 && q.shape(0) == h.shape(0) && q.dtype() == mx::float32 &&
+            k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape() &&
+            k_pages.dtype() == mx::float32 && v_pages.dtype() == mx::float32 &&
+            q.shape(2) == k_pages.shape(3) && q.shape(1) % k_pages.shape(2) == 0,
+        "decoder_rest needs float32 q [T, Hq, D] and pages [P, page_size, Hkv, D]");
+  check(block_table.dtype() == mx::int32 && context_lens.dtype() == mx::int32 &&
+            query_start_loc.dtype() == mx::int32,
+        "block_table, context_lens and query_start_loc must be int32");
+  const int64_t dim = h.shape(1);
+  check(is_vector(post_norm, dim), "decoder_rest needs a float32 norm weight [dim]");
+  std::vector<mx::array> inputs{h, q, k_pages, v_pages, block_table, context_lens,
+                                query_start_loc, post_norm};
+  const auto o_rows = add_projections(o_proj, 1, q.shape(1) * q.shape(2), int8, inputs,
+                                      "decoder_rest's o_proj");
+  const auto mlp_rows = add_projections(gate_up, 2, dim, int8, inputs, "decoder_rest's gate/up");
+  check(o_rows[0] == dim && mlp_rows[0] == mlp_rows[1],
+        "decoder_rest: o_proj [dim, Hq * D], gate and up of one size");
+  const auto down_rows = add_projections(down, 1, mlp_rows[0], int8, inputs,
+                                         "decoder_rest's down");
+  check(down_rows[0] == dim, "decoder_rest: down [dim, intermediate]");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "decoder_rest runs on CPU streams only");
+  auto format = [](const ProjectionArrays& p) {
+    return std::pair<int, int>{std::get<1>(p), std::get<2>(p)};
+  };
+  return mx::array(h.shape(), mx::float32,
+                   std::make_shared<DecoderRest>(
+                       stream, scale, tiled, eps,
+                       std::array<std::pair<int, int>, 3>{format(o_proj), format(gate_up),
+                                                          format(down)},
+                       int8),
+                   inputs);
+}
 
 }  // namespace tiny_llm

@@ -24,12 +24,17 @@
 //   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
 //   rms_norm(x [..., D], weight [D], eps) -> x normalised over its last axis, float32 on a
 //       CPU stream (cpu_layers.h).
+//   decoder_qkv(x, ...) -> (q, k, v) and decoder_rest(h, q, pages, ...) -> the layer's
+//       output: a decoder layer of decode rows in two ops around paged_kv_write, bit for
+//       bit the ops above in the op path's order, float32 on a CPU stream (cpu_decoder.h).
 //
 // Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
 // any kernel runs; these ops check only shapes and dtypes.
 #pragma once
 
+#include <array>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -75,6 +80,36 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    mx::StreamOrDevice s = {});
+
+// A layer's projections of one input as the Python side hands them over: the arrays
+// (w_i for float32 weights, bits 0; w_i, scales_i, biases_i for MLX's affine layout), the
+// group size and the bit width.
+using ProjectionArrays = std::tuple<std::vector<mx::array>, int, int>;
+
+// The rotation and norms of decoder_qkv, as the model's layers hold them.
+struct DecoderQkvOptions {
+  int n_heads, n_kv_heads;
+  float eps;
+  int rope_dims;
+  bool rope_traditional;
+  float rope_scale;
+  float qk_eps;  // the per-head norms' eps (when q_norm and k_norm are given)
+  bool int8;
+};
+
+std::vector<mx::array> decoder_qkv(const mx::array& x, const mx::array& norm_weight,
+                                   const ProjectionArrays& qkv, const mx::array& positions,
+                                   const mx::array& inv_freq,
+                                   const std::vector<mx::array>& qkv_biases,
+                                   const std::vector<mx::array>& qk_norms,
+                                   const DecoderQkvOptions& options, mx::StreamOrDevice s = {});
+
+mx::array decoder_rest(const mx::array& h, const mx::array& q, const mx::array& k_pages,
+                       const mx::array& v_pages, const mx::array& block_table,
+                       const mx::array& context_lens, const mx::array& query_start_loc,
+                       float scale, bool tiled, const ProjectionArrays& o_proj,
+                       const mx::array& post_norm, float eps, const ProjectionArrays& gate_up,
+                       const ProjectionArrays& down, bool int8, mx::StreamOrDevice s = {});
 
 // How many times paged_kv_write had to copy a pool because it was not donatable
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
@@ -176,6 +211,45 @@ class RmsNorm : public mx::Primitive {
 
  private:
   float eps_;
+};
+
+// Inputs: x, norm weight, positions, inv_freq, the q/k/v projections' arrays, then the
+// three biases and the two head norms where the layer has them. Outputs: q, k, v.
+class DecoderQkv : public mx::Primitive {
+ public:
+  DecoderQkv(mx::Stream stream, DecoderQkvOptions options, int group, int bits, bool biases,
+             bool qk_norms)
+      : mx::Primitive(stream), options_(options), group_(group), bits_(bits), biases_(biases),
+        qk_norms_(qk_norms) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DecoderQkv"; }
+
+ private:
+  DecoderQkvOptions options_;
+  int group_, bits_;
+  bool biases_, qk_norms_;
+};
+
+// Inputs: h, q, k_pages, v_pages, block_table, context_lens, query_start_loc, the post-
+// attention norm's weight, then the arrays of o_proj, gate/up and down. Output: the layer's.
+class DecoderRest : public mx::Primitive {
+ public:
+  // formats: (group, bits) of o_proj, gate/up and down
+  DecoderRest(mx::Stream stream, float scale, bool tiled, float eps,
+              std::array<std::pair<int, int>, 3> formats, bool int8)
+      : mx::Primitive(stream), scale_(scale), tiled_(tiled), eps_(eps), formats_(formats),
+        int8_(int8) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DecoderRest"; }
+
+ private:
+  float scale_;
+  bool tiled_;
+  float eps_;
+  std::array<std::pair<int, int>, 3> formats_;
+  bool int8_;
 };
 
 }  // namespace tiny_llm

@@ -82,24 +82,36 @@ _decode_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("decod
                                                                         default=None)
 # Inside kernel_forward(int8=True): quantized layers' decode rows take int8 activations.
 _int8_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_rows", default=False)
+# Inside kernel_forward(fused=True): decode steps' layers may run as fused ops (cpu_fused.py).
+_fused: contextvars.ContextVar[bool] = contextvars.ContextVar("fused", default=False)
 
 
 # ANCHOR: kernel_forward
 @contextlib.contextmanager
-def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False) -> Iterator[None]:
+def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False,
+                   fused: bool = True) -> Iterator[None]:
     """An engine step's forward. With ``enabled``, the model's CPU ops take the extension's
     kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
     logits) belong to single-row sequences. With ``int8``, quantized layers multiply those
-    rows with int8 activations (``quantized_linears``)."""
+    rows with int8 activations (``quantized_linears``). With ``fused``, a step of decode
+    rows only runs its dense layers as two fused ops each (``cpu_fused.py``)."""
     # Checked once per forward, not per layer: the device and the extension do not change.
     on = enabled and mx.default_device().type == mx.DeviceType.cpu and native() is not None
     token = _decode_rows.set(decode_rows if on else None)
     int8_token = _int8_rows.set(int8 and on)
+    fused_token = _fused.set(fused and on)
     try:
         yield
     finally:
+        _fused.reset(fused_token)
         _int8_rows.reset(int8_token)
         _decode_rows.reset(token)
+
+
+def fused_step() -> tuple[int, bool] | None:
+    """Inside ``kernel_forward(fused=True)`` with the kernels on: the step's decode rows and
+    whether they take int8 activations; else None."""
+    return (_decode_rows.get(), _int8_rows.get()) if _fused.get() else None
 
 
 def kernels_on(*arrays: mx.array) -> bool:

@@ -238,6 +238,7 @@ class VectorKernelAttention:
 
     name: ClassVar[str] = "vector"
     storage: ClassVar[str] = "paged"
+    tiled: ClassVar[bool] = False  # multi-token queries take Day 5's tiles (FlashAttention)
 
     def __init__(self, kv: PagedKVSpace):
         self.pool = kv.pool
@@ -253,17 +254,25 @@ class VectorKernelAttention:
         self.query_start_loc = mx.array(step.query_start_loc, dtype=mx.int32)
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        pool, step = self.pool, self.step
+        return self.attend_pages(q, *self.write_pages(layer, k, v), scale)
+
+    def write_pages(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the step's ``k, v`` rows of ``layer``; return its pages after the write."""
+        pool = self.pool
         # The old pools are dropped as the new ones are stored: the write happens in place.
         pool.k[layer], pool.v[layer] = paged_kv_write(
-            pool.k[layer], pool.v[layer], k, v, step.kv["slot_mapping"], validate=False
+            pool.k[layer], pool.v[layer], k, v, self.step.kv["slot_mapping"], validate=False
         )
-        return self.attend_pages(q, pool.k[layer], pool.v[layer], scale)
+        return pool.k[layer], pool.v[layer]
+
+    def page_metadata(self) -> tuple[mx.array, mx.array, mx.array]:
+        """The step's block table, context lengths and query start locations."""
+        return self.step.kv["block_table"], self.context_lens, self.query_start_loc
 
     def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
                      scale: float) -> mx.array:
-        return paged_attention(q, k_pages, v_pages, self.step.kv["block_table"],
-                               self.context_lens, self.query_start_loc, scale, validate=False)
+        return paged_attention(q, k_pages, v_pages, *self.page_metadata(), scale,
+                               validate=False, tiled=self.tiled)
 
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v

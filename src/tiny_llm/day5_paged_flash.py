@@ -30,7 +30,6 @@ from typing import ClassVar
 from tiny_llm.day4_paged_attention import (
     PageWalkAttention,
     VectorKernelAttention,
-    paged_attention,
 )
 from tiny_llm.extension import extension
 from tiny_llm.step import StepBatch
@@ -188,10 +187,5 @@ class FlashAttention(VectorKernelAttention):
     """``attention="flash"``: Day 4's kernel backend with tiles for multi-token queries."""
 
     name: ClassVar[str] = "flash"
-
-    def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
-                     scale: float) -> mx.array:
-        return paged_attention(q, k_pages, v_pages, self.step.kv["block_table"],
-                               self.context_lens, self.query_start_loc, scale,
-                               validate=False, tiled=True)
+    tiled: ClassVar[bool] = True
 # ANCHOR_END: flash_backends

@@ -124,6 +124,7 @@ class EngineConfig:
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
+    fused_layers: bool = True  # decode steps' layers as two ops each (the CPU kernels)
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -138,7 +139,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), least)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
-                     "int8_activations"):
+                     "int8_activations", "fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.int8_activations and not self.cpu_kernels:
@@ -455,7 +456,7 @@ class LLMEngine:
         batch = StepBatch.build(chunks, self.kv)
         self.attention.begin_step(batch)
         with kernel_forward(batch.decode_rows, enabled=self.config.cpu_kernels,
-                            int8=self.config.int8_activations):
+                            int8=self.config.int8_activations, fused=self.config.fused_layers):
             logits = self.model(batch.token_ids, batch.positions, self.attention,
                                 batch.logit_rows)
         mx.eval(logits, self.attention.state())

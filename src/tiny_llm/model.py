@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tiny_llm.cpu_fused import fused_decoder_layer
 from tiny_llm.cpu_kernels import (
     Embedding,
     Linear,
@@ -282,6 +283,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
+        if (fused := fused_decoder_layer(self, x, positions, cache)) is not None:
+            return fused  # a decode step on a CPU: two ops, the same bits (cpu_fused.py)
         h = x + self.self_attn(self.input_layernorm(x), positions, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 # ANCHOR_END: block

@@ -1,0 +1,183 @@
+"""The fused decoder layer of decode steps (``tiny_llm/cpu_fused.py``).
+
+- every step's logits with the fused layers are the op path's bit for bit, and so are the
+  tokens, for each family's switches (Llama, Qwen2's q/k/v biases, Qwen3's head norms,
+  interleaved RoPE, a checkpoint's rescaled RoPE frequencies, a separate LM head), float32
+  and quantized weights (4 and 8 bits, formats mixed between layers), int8 activations,
+  and both kernel backends, over a workload whose decode steps have several rows at
+  different contexts;
+- the fused path runs for the layers of decode steps only: a step with prefill rows, the
+  MLX-ops backends, ``cpu_kernels=False``, ``fused_layers=False``, MoE layers and a
+  learner's extension all run op by op;
+- bad input to the two ops is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                                reason="the fused ops serve CPU streams")
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def quantize(model: nn.Module, formats) -> nn.Module:
+    """``formats(path)``: (group_size, bits) of each quantizable layer."""
+    nn.quantize(model, class_predicate=lambda path, module: hasattr(module, "to_quantized") and {
+        "group_size": formats(path)[0], "bits": formats(path)[1]})
+    return model
+
+
+def as_stored(path: str) -> tuple[int, int]:  # the default GGUF's formats
+    return (32, 8) if "embed" in path else (32, 4)
+
+
+def mixed(path: str) -> tuple[int, int]:  # 8-bit MLPs, 4-bit attention, groups of 64
+    return (64, 8) if "mlp" in path or "embed" in path else (64, 4)
+
+
+def model_of(case: str) -> nn.Module:
+    from tiny_llm.testing.models import make_tiny_model
+
+    return {
+        "llama": lambda: make_tiny_model("llama"),
+        "qwen2-biases": lambda: make_tiny_model("qwen2"),
+        "qwen3-head-norms": lambda: make_tiny_model("qwen3"),
+        "interleaved-rope": lambda: make_tiny_model("llama", rope_traditional=True),
+        "llama3-rope": lambda: make_tiny_model("llama", rope_scaling=LLAMA3_SCALING),
+        "lm-head": lambda: make_tiny_model("qwen3", tie_word_embeddings=False),
+        "4-bit": lambda: quantize(make_tiny_model("llama", tie_word_embeddings=True), as_stored),
+        "8-bit-mixed": lambda: quantize(make_tiny_model("qwen2"), mixed),
+    }[case]()
+
+
+def run(model, tokenizer, **config):
+    """Each request's tokens, the logits of every step and how many layers ran fused."""
+    from tiny_llm import cpu_fused
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.runs import tokens_of, workload
+
+    engine = LLMEngine(model, tokenizer, num_pages=64, **config)
+    logits = []
+    sample = engine._sample
+
+    def recorded(step_logits, batch):
+        logits.append(np.array(step_logits))
+        return sample(step_logits, batch)
+
+    engine._sample = recorded
+    prompts, params = workload(5, seed=11, max_tokens=(3, 10), hi=50)
+    before = cpu_fused.fused_layers_run
+    tokens = tokens_of(engine, prompts, params)
+    return tokens, logits, cpu_fused.fused_layers_run - before
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-biases", "qwen3-head-norms", "interleaved-rope",
+                                  "llama3-rope", "lm-head", "4-bit", "8-bit-mixed"])
+@pytest.mark.parametrize("attention", ["flash", "vector"])
+def test_fused_layers_give_the_op_paths_bits(smollm_tokenizer, case, attention):
+    model = model_of(case)
+    tokens, logits, fused = run(model, smollm_tokenizer, attention=attention)
+    want_tokens, want_logits, none = run(model, smollm_tokenizer, attention=attention,
+                                         fused_layers=False)
+    assert none == 0 and fused > 0
+    # Every step after the first (all prompts at once) is decode rows only: fused.
+    assert fused == (len(logits) - 1) * model.config.num_hidden_layers
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits)
+    for got, want in zip(logits, want_logits, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_int8_activations_fused_give_the_op_paths_bits(smollm_tokenizer):
+    model = model_of("4-bit")
+    tokens, logits, fused = run(model, smollm_tokenizer, int8_activations=True)
+    want_tokens, want_logits, _ = run(model, smollm_tokenizer, int8_activations=True,
+                                      fused_layers=False)
+    assert fused > 0 and tokens == want_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+@pytest.mark.parametrize("config", [dict(attention="reference"), dict(attention="gather"),
+                                    dict(cpu_kernels=False), dict(fused_layers=False)],
+                         ids=["reference-walk", "gather", "no-cpu-kernels", "fused-off"])
+def test_other_paths_run_op_by_op(smollm_tokenizer, config):
+    assert run(model_of("llama"), smollm_tokenizer, **config)[2] == 0
+
+
+def test_steps_with_prefill_rows_run_op_by_op(smollm_tokenizer):
+    from tiny_llm import cpu_fused
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.runs import greedy
+
+    engine = LLMEngine(model_of("llama"), smollm_tokenizer, num_pages=64)
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, greedy(6))
+    engine.step()  # the prompt
+    engine.step()  # a decode: fused
+    before = cpu_fused.fused_layers_run
+    engine.add_request({"prompt_token_ids": [8, 9]}, greedy(2))
+    engine.step()  # a decode row and a prompt in one step: op by op
+    assert cpu_fused.fused_layers_run == before
+    engine.step()  # two decode rows
+    assert cpu_fused.fused_layers_run == before + engine.model.config.num_hidden_layers
+
+
+def test_moe_layers_run_op_by_op(smollm_tokenizer):
+    from tiny_llm.testing.models import make_tiny_model
+
+    model = make_tiny_model("qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, decoder_sparse_step=2)
+    tokens, logits, fused = run(model, smollm_tokenizer)
+    # Layer 0 is dense, layer 1 sparse: only the dense one of each decode step is fused.
+    assert fused == len(logits) - 1
+    assert tokens == run(model, smollm_tokenizer, fused_layers=False)[0]
+
+
+def test_a_learners_extension_runs_op_by_op(smollm_tokenizer, monkeypatch):
+    """With a learner's kernels loaded, the model must run them: the fused ops would run
+    the reference's attention instead."""
+    from tiny_llm import cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "extension", lambda: object())
+    assert run(model_of("llama"), smollm_tokenizer)[2] == 0
+
+
+def test_bad_input_is_refused():
+    from tiny_llm.cpu_kernels import native
+
+    ext = native()
+    x, norm = mx.zeros((1, 64)), mx.ones((64,))
+    w = [mx.zeros((64, 64)), mx.zeros((32, 64)), mx.zeros((32, 64))]
+    pos, inv_freq = mx.zeros((1,), dtype=mx.int32), mx.ones((8,))
+    rope = dict(n_heads=4, n_kv_heads=2, eps=1e-6, rope_dims=16, rope_traditional=False,
+                rope_scale=1.0)
+    q, k, v = ext.decoder_qkv(x, norm, (w, 0, 0), pos, inv_freq, **rope)
+    assert (q.shape, k.shape, v.shape) == ((1, 4, 16), (1, 2, 16), (1, 2, 16))
+    with pytest.raises(ValueError, match="needs 3 weights"):
+        ext.decoder_qkv(x, norm, (w[:2], 0, 0), pos, inv_freq, **rope)
+    with pytest.raises(ValueError, match="float32 x"):
+        ext.decoder_qkv(x.astype(mx.float16), norm, (w, 0, 0), pos, inv_freq, **rope)
+    with pytest.raises(ValueError, match="does not serve this format"):
+        packed = [a for m in w for a in mx.quantize(m, group_size=32, bits=4)]
+        ext.decoder_qkv(x, norm, (packed, 32, 3), pos, inv_freq, **rope)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ext.decoder_qkv(x, norm, (w, 0, 0), pos, mx.ones((3,)), **rope)
+    pages = mx.zeros((4, 16, 2, 16))
+    meta = (mx.zeros((1, 1), dtype=mx.int32), mx.ones((1,), dtype=mx.int32),
+            mx.array([0, 1], dtype=mx.int32))
+    mlp = ([mx.zeros((128, 64)), mx.zeros((128, 64))], 0, 0)
+    down = ([mx.zeros((64, 128))], 0, 0)
+    out = ext.decoder_rest(x, q, pages, pages, *meta, 0.25, True, ([w[0]], 0, 0), norm, 1e-6,
+                           mlp, down)
+    assert out.shape == (1, 64)
+    with pytest.raises(ValueError, match="down"):
+        ext.decoder_rest(x, q, pages, pages, *meta, 0.25, True, ([w[0]], 0, 0), norm, 1e-6,
+                         mlp, ([mx.zeros((32, 128))], 0, 0))
+    with pytest.raises(ValueError, match="int32"):
+        ext.decoder_rest(x, q, pages, pages, meta[0].astype(mx.float32), *meta[1:], 0.25, True,
+                         ([w[0]], 0, 0), norm, 1e-6, mlp, down)
