@@ -12,9 +12,11 @@ llama.cpp sources ship inside the ``llama-cpp-python`` source package on PyPI:
 
 Each round, in turn (``--rounds``, default 3; medians):
 
-- **llama.cpp**: ``llama-bench -m <the default GGUF> -p 512 -n 64 -t <cores>``: prompt
-  processing of 512 tokens and generation of 64, with the file's own weights (Q4_1 linear
-  layers, a Q8_0 embedding: about 92 MB read per token) on every core;
+- **llama.cpp**: ``llama-bench -m <the default GGUF> -p 512 -n 0 -t <cores>`` (prompt
+  processing of 512 tokens) and ``-p 0 -n 64 -d 512`` (generation of 64 after a context of
+  512, as the engine's decode steps attend over the prompt; without ``-d`` llama-bench
+  generates from an empty context), with the file's own weights (Q4_1 linear layers, a
+  Q8_0 embedding: about 92 MB read per token) on every core;
 - **the engine, float32**: the default engine on the same file (dequantized to float32 on
   the CPU, 538 MB per token), one request: a 512-token prompt, then 64 new tokens, greedy.
   Prefill tok/s = 512 / the prompt's step time; decode tok/s = 63 / the time of the other
@@ -25,7 +27,10 @@ Each round, in turn (``--rounds``, default 3; medians):
   dequantize blocks for OpenBLAS;
 - **the engine, as stored, int8 activations**: the same with ``int8_activations=True``
   (``--int8-activations``): the decode rows rounded to int8 per 32 values, as llama.cpp
-  does for its quantized formats, and multiplied by the packed weights as integers.
+  does for its quantized formats, and multiplied by the packed weights as integers;
+- **the engine, as stored, layers op by op**: as stored with ``fused_layers=False``: each
+  decode step's layers as their sixteen ops instead of two fused ones (``cpu_fused.py``),
+  the same bits, to show what the fusion pays.
 
 All use every core. The table gives each one's bytes per token next to its speed, and its
 decode step against the memory bound: those bytes once at the copy bandwidth measured in
@@ -67,21 +72,25 @@ NAME = "bench_vs_llama_cpp"
 
 
 def run_llama_cpp(binary: Path, gguf: Path, prompt: int, new: int) -> dict[str, float]:
-    cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(new),
-           "-t", str(os.cpu_count()), "-r", "1", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    tests = json.loads(out)
-    rates = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
-    size = tests[0]["model_size"]
-    return dict(prefill_tok_s=rates["prefill"], decode_tok_s=rates["decode"],
-                file_bytes=size)
+    def bench(*args: str) -> dict[str, Any]:
+        cmd = [str(binary), "-m", str(gguf), *args, "-t", str(os.cpu_count()), "-r", "1",
+               "-o", "json"]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True,
+                                         check=True).stdout)[0]
+
+    # Its generation test starts from an empty context unless given a depth: the engine's
+    # new tokens attend over the prompt, so llama.cpp's do too (-d).
+    prefill = bench("-p", str(prompt), "-n", "0")
+    decode = bench("-p", "0", "-n", str(new), "-d", str(prompt))
+    return dict(prefill_tok_s=prefill["avg_ts"], decode_tok_s=decode["avg_ts"],
+                file_bytes=prefill["model_size"])
 
 
 def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int,
-               int8: bool = False) -> dict[str, float]:
+               int8: bool = False, fused: bool = True) -> dict[str, float]:
     rng = random.Random(seed)
     engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, prompt),
-                       enable_prefix_caching=False, int8_activations=int8)
+                       enable_prefix_caching=False, int8_activations=int8, fused_layers=fused)
     tokens = [rng.randrange(100, model.config.vocab_size) for _ in range(prompt)]
     engine.add_request({"prompt_token_ids": tokens}, greedy(new))
     times = []
@@ -94,7 +103,8 @@ def run_engine(model: Any, tokenizer: Any, prompt: int, new: int, seed: int,
 
 ROWS = (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine"),
         ("engine (GGUF weights as stored)", "engine_quantized"),
-        ("engine (as stored, int8 activations)", "engine_int8"))
+        ("engine (as stored, int8 activations)", "engine_int8"),
+        ("engine (as stored, layers op by op)", "engine_ops"))
 
 
 def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
@@ -113,9 +123,11 @@ def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
         rows=rows, formats=["", ".0f", ".1f", ".1f", ".0%", ".2f", ".2f"],
         note=(f"A {data['prompt']}-token prompt, then {data['new']} new tokens, one request, "
               f"{data['cores']} threads each. llama.cpp: llama-bench (pp{data['prompt']}, "
-              f"tg{data['new']}) with the file's weights; its MB per token is the file's size. "
+              f"tg{data['new']} @ d{data['prompt']}: the new tokens after the prompt's context) "
+              "with the file's weights; its MB per token is the file's size. "
               "The engine: the defaults, weights dequantized to float32, or kept as stored "
-              "(4-bit layers, an 8-bit embedding), and so with int8 activations. Decode at "
+              "(4-bit layers, an 8-bit embedding), and so with int8 activations or with a decode "
+              "step's layers op by op instead of fused. Decode at "
               "memory bound: the MB per token at the copy bandwidth "
               f"({data['copy_bandwidth'] / 1e9:.1f} GB/s) over the decode step. Medians of "
               f"{data['rounds']} rounds; ratios of medians."),
@@ -124,7 +136,7 @@ def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
 
 def make_goals(res: dict[str, Any]) -> Table:
     goals = []
-    for label, key in ROWS[1:]:
+    for label, key in ROWS[1:-1]:  # not the layers op by op: the before of the fused layers
         for kind in ("prefill", "decode"):
             ratio = res[key][f"{kind}_tok_s"] / res["llama"][f"{kind}_tok_s"]
             goals.append((f"{label}: {kind} faster than llama.cpp",
@@ -148,10 +160,10 @@ def main() -> None:
     gguf = default_model_path()
     model_name = gguf.name.split(".")[0]  # both formats of SmolLM2-135M-Instruct
     bandwidth = copy_bandwidth()
-    engines = {"engine": (model, False), "engine_quantized": (stored, False),
-               "engine_int8": (stored, True)}
-    for m, int8 in engines.values():
-        run_engine(m, tokenizer, 16, 2, seed=99, int8=int8)  # warmup
+    engines = {"engine": (model, False, True), "engine_quantized": (stored, False, True),
+               "engine_int8": (stored, True, True), "engine_ops": (stored, False, False)}
+    for m, int8, fused in engines.values():
+        run_engine(m, tokenizer, 16, 2, seed=99, int8=int8, fused=fused)  # warmup
     keys = ["llama", *engines]
     rounds: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     t0 = time.perf_counter()
@@ -159,7 +171,7 @@ def main() -> None:
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # the order rotates
             out = (run_llama_cpp(args.llama_bench, gguf, prompt, new) if key == "llama"
                    else run_engine(engines[key][0], tokenizer, prompt, new, seed=r,
-                                   int8=engines[key][1]))
+                                   int8=engines[key][1], fused=engines[key][2]))
             rounds[key].append(out)
             print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {key:16s} prefill "
                   f"{out['prefill_tok_s']:7.1f} tok/s, decode {out['decode_tok_s']:6.1f} tok/s",
@@ -170,7 +182,7 @@ def main() -> None:
         res[key]["decode_rounds"] = spread([x["decode_tok_s"] for x in runs])
     res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
     c = model.config
-    for key, (m, _) in engines.items():
+    for key, (m, _, _) in engines.items():
         res[key]["bytes_per_token"] = decode_bytes_per_token(
             dict(tree_flatten(m.parameters())), c.vocab_size, c.tie_word_embeddings)
     data = {"model": model_name, "gguf": gguf.name, "prompt": prompt, "new": new,
