@@ -229,9 +229,24 @@ inline void fold_pairs(const float* q, int count, const float* k, const float* v
 }
 // ANCHOR_END: cpu_page_update
 
+// Asks the memory system now for n rows of D values at stride `stride` from `base` in both
+// pools (one request per 64-byte line): a page walk otherwise waits one page's memory
+// latency after another, since a page's address is only known from the block table.
+template <typename T>
+inline void prefetch_rows(const T* k_pages, const T* v_pages, int64_t base, int n, int D,
+                          int64_t stride) {
+  constexpr int kLine = 64 / sizeof(T);
+  for (int t = 0; t < n; ++t)
+    for (int d = 0; d < D; d += kLine) {
+      __builtin_prefetch(k_pages + base + t * stride + d);
+      __builtin_prefetch(v_pages + base + t * stride + d);
+    }
+}
+
 // ANCHOR: cpu_attend_rows
 // `rows` consecutive query rows of one sequence (absolute positions first_pos, ...),
-// for the G query heads sharing KV head `kv_head`, over the sequence's pages.
+// for G query heads sharing KV head `kv_head` (its whole group, or some of it: q and out
+// point at the first of them), over the sequence's pages.
 //
 // rows == 1 is the vector (decode) schedule. rows > 1 is the tiled schedule: a query
 // tile against one page (key tile) at a time, so each K/V page is read once for the
@@ -239,8 +254,9 @@ inline void fold_pairs(const float* q, int count, const float* k, const float* v
 // causal diagonal are skipped) and, on the diagonal page, each row stops at itself.
 template <typename T>
 void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
-                 const T* v_pages, const int32_t* table, int kv_head, const CpuAttentionShape& g) {
-  const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, ps = g.page_size;
+                 const T* v_pages, const int32_t* table, int kv_head, int G,
+                 const CpuAttentionShape& g) {
+  const int D = g.head_dim, ps = g.page_size;
   const int R = rows * G;  // (row, head) pairs of the tile
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
@@ -267,6 +283,9 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
     const int n = std::min(ps, num_keys - start);
     // Address translation: logical page j of this sequence is physical page table[j].
     const int64_t base = static_cast<int64_t>(table[j]) * ps * slot_stride + kv_head * D;
+    if (start + ps < num_keys)  // the next page's rows, fetched while this one is folded
+      prefetch_rows(k_pages, v_pages, static_cast<int64_t>(table[j + 1]) * ps * slot_stride +
+                    kv_head * D, std::min(ps, num_keys - start - ps), D, slot_stride);
     const float* k;
     const float* v;
     int64_t stride;
@@ -334,11 +353,27 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
 }
 // ANCHOR_END: cpu_tile_items
 
+// Query heads per work item: the KV head's whole group, so that each K/V row is read once
+// for all of it, unless that leaves fewer than kMinItems items (a decode step of one or
+// two requests: three items on two cores keep one idle a third of the time). Then the
+// group splits into items of fewer heads, which read the KV head's rows again (from
+// cache, mostly). fold_page's arithmetic for a pair does not depend on the pairs folded
+// beside it, so no result depends on the split.
+constexpr int kMinItems = 8;
+
+int heads_per_item(int items, int G) {
+  int heads = G;
+  while (items * (G / heads) < kMinItems && heads > 1)
+    do --heads;
+    while (G % heads);
+  return heads;
+}
+
 }  // namespace
 
 // ANCHOR: cpu_work_items
-// Work items: one per (tile of query rows, KV head); each walks only its own sequence's
-// block table. Tiles of one row are the vector schedule.
+// Work items: one per (tile of query rows, KV head, block of its query heads); each walks
+// only its own sequence's block table. Tiles of one row are the vector schedule.
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
@@ -348,17 +383,19 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
   double keys = 0;  // (query row, key) pairs, to size the job for the worker pool
   for (int b = 0; b < g.num_seqs; ++b) keys += double(context_lens[b]) * (qsl[b + 1] - qsl[b]);
   const int G = g.n_heads / g.n_kv_heads;
+  const int heads = heads_per_item(static_cast<int>(tiles.size()) * g.n_kv_heads, G);
+  const int blocks = G / heads;  // items per (tile, KV head)
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
-  const int items = static_cast<int>(tiles.size()) * g.n_kv_heads;
+  const int items = static_cast<int>(tiles.size()) * g.n_kv_heads * blocks;
   const double flops = 4.0 * G * g.head_dim * keys / std::max(1, items);
   parallel_for(items, flops, [&](int item) {
-    const Tile& tile = tiles[item / g.n_kv_heads];
-    const int h = item % g.n_kv_heads, b = tile.seq;
-    const int query_len = qsl[b + 1] - qsl[b];
+    const Tile& tile = tiles[item / (g.n_kv_heads * blocks)];
+    const int h = item / blocks % g.n_kv_heads, first_head = h * G + item % blocks * heads;
+    const int b = tile.seq, query_len = qsl[b + 1] - qsl[b];
     const int first_pos = context_lens[b] - query_len + (tile.row - qsl[b]);
-    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(h) * G * g.head_dim;
+    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(first_head) * g.head_dim;
     attend_rows(q + offset, out + offset, tile.rows, first_pos, k_pages, v_pages,
-                tables + static_cast<int64_t>(b) * g.max_pages, h, g);
+                tables + static_cast<int64_t>(b) * g.max_pages, h, heads, g);
   });
 }
 // ANCHOR_END: cpu_work_items
