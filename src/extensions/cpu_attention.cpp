@@ -354,16 +354,19 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
 // ANCHOR_END: cpu_tile_items
 
 // Query heads per work item: the KV head's whole group, so that each K/V row is read once
-// for all of it, unless that leaves fewer than kMinItems items (a decode step of one or
-// two requests: three items on two cores keep one idle a third of the time). Then the
-// group splits into items of fewer heads, which read the KV head's rows again (from
-// cache, mostly). fold_page's arithmetic for a pair does not depend on the pairs folded
-// beside it, so no result depends on the split.
+// for all of it, unless that leaves fewer than kMinItems items over long contexts (a
+// decode step of one or two requests at kSplitKeys keys or more: three items on two cores
+// keep one idle a third of the time while they wait on memory). Then the group splits
+// into items of fewer heads, which read the KV head's rows again (from cache, mostly) and
+// fold fewer pairs at once: over short contexts, where the pages are in cache, that costs
+// more than the idle core. fold_page's arithmetic for a pair does not depend on the pairs
+// folded beside it, so no result depends on the split.
 constexpr int kMinItems = 8;
+constexpr double kSplitKeys = 512;
 
-int heads_per_item(int items, int G) {
+int heads_per_item(int items, int G, double keys_per_item) {
   int heads = G;
-  while (items * (G / heads) < kMinItems && heads > 1)
+  while (keys_per_item >= kSplitKeys && items * (G / heads) < kMinItems && heads > 1)
     do --heads;
     while (G % heads);
   return heads;
@@ -383,7 +386,8 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
   double keys = 0;  // (query row, key) pairs, to size the job for the worker pool
   for (int b = 0; b < g.num_seqs; ++b) keys += double(context_lens[b]) * (qsl[b + 1] - qsl[b]);
   const int G = g.n_heads / g.n_kv_heads;
-  const int heads = heads_per_item(static_cast<int>(tiles.size()) * g.n_kv_heads, G);
+  const int heads = heads_per_item(static_cast<int>(tiles.size()) * g.n_kv_heads, G,
+                                   keys / std::max<size_t>(1, tiles.size()));
   const int blocks = G / heads;  // items per (tile, KV head)
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
   const int items = static_cast<int>(tiles.size()) * g.n_kv_heads * blocks;
