@@ -9,7 +9,8 @@
 - the fused path runs for the layers of decode steps only: a step with prefill rows, the
   MLX-ops backends, ``cpu_kernels=False``, ``fused_layers=False``, MoE layers and a
   learner's extension all run op by op;
-- bad input to the two ops is refused with a clear error.
+- ``--no-fused-layers`` turns them off; bad input to the two ops is refused with a clear
+  error.
 """
 
 from __future__ import annotations
@@ -145,6 +146,18 @@ def test_a_learners_extension_runs_op_by_op(smollm_tokenizer, monkeypatch):
 
     monkeypatch.setattr(cpu_fused, "extension", lambda: object())
     assert run(model_of("llama"), smollm_tokenizer)[2] == 0
+
+
+def test_the_command_line_turns_the_fused_layers_off():
+    from tiny_llm.cli import build_parser, engine_options
+    from tiny_llm.engine import EngineConfig
+
+    parse = build_parser().parse_args
+    assert "fused_layers" not in engine_options(parse(["generate", "--prompt", "hi"]))
+    off = engine_options(parse(["generate", "--prompt", "hi", "--no-fused-layers"]))
+    assert off == {"fused_layers": False} and EngineConfig().fused_layers
+    with pytest.raises(TypeError, match="fused_layers"):
+        EngineConfig(fused_layers="no")
 
 
 def test_bad_input_is_refused():
