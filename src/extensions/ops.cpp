@@ -69,6 +69,17 @@ void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("tiny_llm paged ops: " + message);
 }
 
+// The CPU schedules' view of q [T, Hq, D], the pages [P, page_size, Hkv, D] and the
+// metadata.
+CpuAttentionShape attention_shape(const mx::array& q, const mx::array& k_pages,
+                                  const mx::array& block_table, const mx::array& context_lens,
+                                  float scale, bool tiled) {
+  return {static_cast<int>(context_lens.shape(0)), static_cast<int>(block_table.shape(1)),
+          static_cast<int>(q.shape(1)),            static_cast<int>(k_pages.shape(2)),
+          static_cast<int>(q.shape(2)),            static_cast<int>(k_pages.shape(1)),
+          scale,                                   tiled ? kCpuQueryTile : 1};
+}
+
 bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
@@ -90,15 +101,7 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs,
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(row_major(a, enc));
   const auto& q = in[0];
-  const auto& k = in[1];
-  const CpuAttentionShape g{static_cast<int>(in[4].shape(0)),
-                            static_cast<int>(in[3].shape(1)),
-                            static_cast<int>(q.shape(1)),
-                            static_cast<int>(k.shape(2)),
-                            static_cast<int>(q.shape(2)),
-                            static_cast<int>(k.shape(1)),
-                            scale_,
-                            tiled_ ? kCpuQueryTile : 1};
+  const CpuAttentionShape g = attention_shape(q, in[1], in[3], in[4], scale_, tiled_);
   switch (q.dtype()) {
     case mx::float32: return dispatch_attention<float>(enc, in, out, g);
     case mx::float16: return dispatch_attention<mx::float16_t>(enc, in, out, g);
@@ -345,15 +348,8 @@ void DecoderRest::eval_cpu(const std::vector<mx::array>& inputs,
                                          formats_[1].second, int8_, enc);
   Projections down = read_projections(inputs, next, 1, formats_[2].first, formats_[2].second,
                                       int8_, enc);
-  const CpuAttentionShape attention{static_cast<int>(in[5].shape(0)),
-                                    static_cast<int>(in[4].shape(1)),
-                                    static_cast<int>(q.shape(1)),
-                                    static_cast<int>(k.shape(2)),
-                                    static_cast<int>(q.shape(2)),
-                                    static_cast<int>(k.shape(1)),
-                                    scale_,
-                                    tiled_ ? kCpuQueryTile : 1};
-  const DecoderRestShape g{h.shape(0), h.shape(1), gate_up.rows[0], eps_, attention};
+  const DecoderRestShape g{h.shape(0), h.shape(1), gate_up.rows[0], eps_,
+                           attention_shape(q, k, in[4], in[5], scale_, tiled_)};
   enc.dispatch([h = h.data<float>(), q = q.data<float>(), k = k.data<float>(),
                 v = in[3].data<float>(), table = in[4].data<int32_t>(),
                 ctx = in[5].data<int32_t>(), qsl = in[6].data<int32_t>(),
