@@ -111,6 +111,16 @@ def test_other_paths_run_op_by_op(smollm_tokenizer, config):
     assert run(model_of("llama"), smollm_tokenizer, **config)[2] == 0
 
 
+def test_a_draft_model_follows_the_engines_option(smollm_tokenizer):
+    """Speculative decoding's draft model runs its decode steps fused too, and op by op
+    with ``fused_layers=False``; the tokens do not change."""
+    model = model_of("llama")
+    draft = dict(speculative="draft", draft_model=(model_of("qwen3-head-norms"), smollm_tokenizer))
+    tokens, _, fused = run(model, smollm_tokenizer, **draft)
+    want, _, none = run(model, smollm_tokenizer, **draft, fused_layers=False)
+    assert fused > 0 and none == 0 and tokens == want
+
+
 def test_steps_with_prefill_rows_run_op_by_op(smollm_tokenizer):
     from tiny_llm import cpu_fused
     from tiny_llm.engine import LLMEngine

@@ -279,7 +279,7 @@ class LLMEngine:
         else:
             proposer = make_draft_proposer(self.model, self.tokenizer, cfg.draft_model,
                                            cfg.page_size, self.max_model_len, cfg.max_num_seqs,
-                                           cfg.cpu_kernels)
+                                           cfg.cpu_kernels, cfg.fused_layers)
         policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
         return SpeculativeDecoding(proposer, policy, self.model.config.vocab_size)
 

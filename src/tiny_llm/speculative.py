@@ -169,9 +169,11 @@ class DraftModelProposer:
     the request's own parameters and generator, over its own paged KV pool (its own block
     tables: the request objects are its keys as they are the target's)."""
 
-    def __init__(self, model, page_size: int, num_pages: int, cpu_kernels: bool = True):
+    def __init__(self, model, page_size: int, num_pages: int, cpu_kernels: bool = True,
+                 fused_layers: bool = True):
         self.model = model
-        self.cpu_kernels = cpu_kernels  # the engine's option (cpu_kernels.py)
+        # The engine's options (cpu_kernels.py, cpu_fused.py).
+        self.cpu_kernels, self.fused_layers = cpu_kernels, fused_layers
         self.kv = PagedKVSpace(model.config, num_pages, page_size, False, model.dtype)
         self.attention = FlashAttention(self.kv)
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
@@ -194,7 +196,8 @@ class DraftModelProposer:
                                      for i, c in zip(active, chunks, strict=True)],
                                     _Keyed(self.kv, chunks))
             self.attention.begin_step(batch)
-            with kernel_forward(batch.decode_rows, enabled=self.cpu_kernels):
+            with kernel_forward(batch.decode_rows, enabled=self.cpu_kernels,
+                                fused=self.fused_layers):
                 logits = self.model(batch.token_ids, batch.positions, self.attention,
                                     batch.logit_rows)
             mx.eval(logits, self.attention.state())
@@ -338,7 +341,8 @@ class SpeculativeDecoding:
 
 def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
                         max_model_len: int, max_num_seqs: int,
-                        cpu_kernels: bool = True) -> DraftModelProposer:
+                        cpu_kernels: bool = True,
+                        fused_layers: bool = True) -> DraftModelProposer:
     """A draft proposer for ``draft`` (a path, hub id or model), refused with a clear error
     unless it shares the target's tokenizer."""
     from tiny_llm.loader import load
@@ -355,4 +359,4 @@ def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
         raise ValueError("the draft model's tokenizer encodes text differently from the target's")
     pages = pool_pages(draft_model.config, draft_model.dtype, page_size, max_model_len,
                        max_num_seqs)
-    return DraftModelProposer(draft_model, page_size, pages, cpu_kernels)
+    return DraftModelProposer(draft_model, page_size, pages, cpu_kernels, fused_layers)
