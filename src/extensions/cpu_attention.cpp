@@ -391,7 +391,7 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
   const int blocks = G / heads;  // items per (tile, KV head)
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
   const int items = static_cast<int>(tiles.size()) * g.n_kv_heads * blocks;
-  const double flops = 4.0 * G * g.head_dim * keys / std::max(1, items);
+  const double flops = 4.0 * g.n_heads * g.head_dim * keys / std::max(1, items);
   parallel_for(items, flops, [&](int item) {
     const Tile& tile = tiles[item / (g.n_kv_heads * blocks)];
     const int h = item / blocks % g.n_kv_heads, first_head = h * G + item % blocks * heads;
