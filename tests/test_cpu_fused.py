@@ -5,7 +5,8 @@
   interleaved RoPE, a checkpoint's rescaled RoPE frequencies, a separate LM head), float32
   and quantized weights (4 and 8 bits, formats mixed between layers), int8 activations,
   and both kernel backends, over a workload whose decode steps have several rows at
-  different contexts;
+  different contexts; scales and biases kept as stored (float16, bfloat16) give the bits
+  of their float32 copies, fused and op by op;
 - the fused path runs for the layers of decode steps only: a step with prefill rows, the
   MLX-ops backends, ``cpu_kernels=False``, ``fused_layers=False``, MoE layers and a
   learner's extension all run op by op;
@@ -101,6 +102,33 @@ def test_int8_activations_fused_give_the_op_paths_bits(smollm_tokenizer):
     want_tokens, want_logits, _ = run(model, smollm_tokenizer, int8_activations=True,
                                       fused_layers=False)
     assert fused > 0 and tokens == want_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+def with_scales(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """``model`` with its quantized layers' scales and biases in ``dtype``, the embedding's
+    lookup in float32 (as the loader keeps a checkpoint's float16 ones on the CPU)."""
+    from mlx.utils import tree_flatten
+
+    model.load_weights([(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+                        if k.endswith((".scales", ".biases"))], strict=False)
+    for m in model.modules():
+        if isinstance(m, nn.QuantizedEmbedding):
+            m.output_dtype = mx.float32
+    return model
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("config", [dict(), dict(fused_layers=False), dict(int8_activations=True)],
+                         ids=["fused", "op-by-op", "int8"])
+def test_scales_as_stored_give_the_bits_of_float32_copies(smollm_tokenizer, dtype, config):
+    model = with_scales(model_of("4-bit"), dtype)  # values dtype holds exactly
+    assert model.model.embed_tokens.scales.dtype == dtype
+    tokens, logits, fused = run(model, smollm_tokenizer, **config)
+    assert (fused > 0) == config.get("fused_layers", True)
+    want_tokens, want_logits, _ = run(with_scales(model, mx.float32), smollm_tokenizer, **config)
+    assert model.model.embed_tokens.scales.dtype == mx.float32
+    assert tokens == want_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
 
 

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import platform
 import shutil
 import subprocess
@@ -623,6 +624,54 @@ def test_a_quantized_row_does_not_depend_on_the_other_rows(ext, group_size, bits
     assert np.array_equal(np.asarray(reversed_rows[0])[::-1], alone[0])
 
 
+def bfloat16_bits_as_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16's definition: the top half of a float32's bits."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_scales_stored_narrower_widen_exactly(ext):
+    """Every finite float16 and bfloat16 value as a scale (bias zero) and as a bias (scale
+    zero) of a one-group row that x = e_0 reads once: each output is the value itself,
+    as numpy widens it."""
+    x = mx.zeros((1, 32)).at[0, 0].add(1.0)
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    for dtype, values in ((mx.float16, halves.view(np.float16).astype(np.float32)),
+                          (mx.bfloat16, bfloat16_bits_as_float32(halves))):
+        finite = halves[np.isfinite(values)]
+        want = values[np.isfinite(values)]
+        n = len(finite)
+        w = mx.zeros((n, 4), dtype=mx.uint32).at[:, 0].add(1)  # weight 0 of each row: q = 1
+        stored = mx.array(finite).view(dtype)[:, None]
+        zero = mx.zeros((n, 1), dtype=dtype)
+        for scales, biases in ((stored, zero), (zero, stored)):
+            got = np.asarray(ext.quantized_linear_group(x, [w], [scales], [biases], 32, 4)[0])
+            assert np.array_equal(got[0], want), dtype
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("group_size, bits", [(32, 4), (64, 8), (128, 4)])
+def test_scales_as_stored_give_the_bits_of_float32_copies(ext, dtype, group_size, bits):
+    """Scales and biases in float16 or bfloat16, as checkpoints store them, against their
+    float32 copies: the same bits from the decode kernel (rows of every tile remainder, and
+    past 64 rows), int8 activations and the split BLAS, in a call of several weights."""
+    k = 640
+    x = mx.random.normal((70, k), key=mx.random.key(9))
+    parts = [quantized(n, k, group_size, bits, seed=n) for n in (37, 5)]
+    weights = [p[0] for p in parts]
+    stored = [[p[i].astype(dtype) for p in parts] for i in (1, 2)]
+    copies = [[a.astype(mx.float32) for a in arrays] for arrays in stored]
+    calls = [dict()]
+    if ext.int8_kernel_serves(group_size, bits):
+        calls.append(dict(int8=True))
+    if ext.has_blas_split:
+        calls.append(dict(blas=True))
+    for m, options in itertools.product((1, 3, 70), calls):
+        got = ext.quantized_linear_group(x[:m], weights, *stored, group_size, bits, **options)
+        want = ext.quantized_linear_group(x[:m], weights, *copies, group_size, bits, **options)
+        for g, w in zip(got, want, strict=True):
+            assert np.array_equal(np.asarray(g), np.asarray(w)), (m, options)
+
+
 def int8_oracle(x: mx.array, packed, group_size: int, bits: int) -> np.ndarray:
     """x rounded as int8 activations define it (per 32 values: scale max|x| / 127, x times
     127 / max|x| in float32 rounded to the nearest integer, ties to even), then the product
@@ -691,8 +740,10 @@ def test_a_bad_quantized_call_is_refused(ext):
         call(x, [w], [s], [b], 16, 4)
     with pytest.raises(ValueError, match=r"packed uint32 weights \[N, K \* bits / 32\]"):
         call(mx.zeros((2, 128)), [w], [s], [b], 32, 4)
-    with pytest.raises(ValueError, match=r"scales and biases \[N, K / group\]"):
+    with pytest.raises(ValueError, match=r"scales and biases \[N, K / group\] of one dtype"):
         call(x, [w], [s.astype(mx.float16)], [b], 32, 4)
+    with pytest.raises(ValueError, match=r"float32, float16 or bfloat16"):
+        call(x, [w], [s.astype(mx.int32)], [b.astype(mx.int32)], 32, 4)
     with pytest.raises(ValueError, match="each with its scales and biases"):
         call(x, [w], [s], [], 32, 4)
     assert ext.quantized_kernel_serves(64, 8) and not ext.quantized_kernel_serves(64, 2)
@@ -748,7 +799,9 @@ extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, i
 int main(int argc, char** argv) {
   const long M = atol(argv[1]), N = atol(argv[2]), K = atol(argv[3]);
   const int group = atoi(argv[4]), bits = atoi(argv[5]);
+  const auto type = static_cast<tiny_llm::ScaleType>(atoi(argv[7]));  // 0 f32, 1 f16, 2 bf16
   std::vector<float> x(M * K), s(N * K / group), b(N * K / group), y(M * N);
+  std::vector<uint16_t> s16(s.size()), b16(b.size());
   std::vector<uint32_t> w(N * K * bits / 32);
   uint32_t r = 12345;
   auto next = [&] { r = r * 1664525u + 1013904223u; return r; };
@@ -756,8 +809,24 @@ int main(int argc, char** argv) {
   for (auto& v : s) v = (next() >> 8) / 1677721600.0f;
   for (auto& v : b) v = -(next() >> 8) / 167772160.0f;
   for (auto& v : w) v = next();
-  tiny_llm::quantized_linear_cpu(x.data(), {{w.data(), s.data(), b.data(), y.data(), N}}, M, K,
-                                 {group, bits}, atoi(argv[6]) != 0);
+  // float16: every finite exponent (subnormals too) and sign; bfloat16: exponents of
+  // magnitudes 2^-27 .. 2^1.
+  auto half = [&](uint16_t sign) {
+    return static_cast<uint16_t>(sign | (next() % 31) << 10 | (next() & 0x3ff));
+  };
+  auto bhalf = [&](uint16_t sign) {
+    return static_cast<uint16_t>(sign | (100 + next() % 28) << 7 | (next() & 0x7f));
+  };
+  for (size_t i = 0; i < s16.size(); ++i) {
+    const uint16_t sign = next() % 4 == 0 ? 0x8000 : 0;
+    s16[i] = type == tiny_llm::ScaleType::f16 ? half(0) : bhalf(0);
+    b16[i] = type == tiny_llm::ScaleType::f16 ? half(sign) : bhalf(sign);
+  }
+  const bool wide = type == tiny_llm::ScaleType::f32;
+  tiny_llm::quantized_linear_cpu(
+      x.data(), {{w.data(), wide ? static_cast<const void*>(s.data()) : s16.data(),
+                  wide ? static_cast<const void*>(b.data()) : b16.data(), y.data(), N, type}},
+      M, K, {group, bits}, atoi(argv[6]) != 0);
   fwrite(y.data(), sizeof(float), y.size(), stdout);
 }
 """
@@ -767,8 +836,11 @@ int main(int argc, char** argv) {
                     reason="needs g++ on x86_64")
 def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
     """The quantized kernel built for AVX-512 (where the CPU has it, with and without VNNI's
-    integer dot products), AVX2 and plain vector extensions (what a Mac compiles, there with
-    NEON): one definition, the same bits, in float and in int8 activations."""
+    integer dot products), AVX2, plain vector extensions (what a Mac compiles, there with
+    NEON) and this CPU (-march=native, as the extension is built): one definition, the same
+    bits, in float and in int8 activations, with float32, float16 and bfloat16 scales (the
+    native build widens float16 by F16C's instructions, the others by the kernel's own
+    bit arithmetic)."""
     src = Path(__file__).resolve().parent.parent / "src" / "extensions"
     (tmp_path / "harness.cpp").write_text(QLANES_HARNESS)
     targets = [("avx2", ["-mavx2", "-mfma", "-mno-avx512f"]),
@@ -779,6 +851,8 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
     if "avx512dq" in cpuinfo and "avx512_vnni" in cpuinfo and "avx512bw" in cpuinfo:
         targets.append(("avx512vnni", ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vnni",
                                        "-mfma"]))
+    if "f16c" in cpuinfo:
+        targets.append(("native", ["-march=native"]))
     builds = []
     for name, flags in targets:
         exe = tmp_path / name
@@ -788,11 +862,12 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
         builds.append(exe)
     for m, n, k, group, bits in [(1, 7, 64, 32, 4), (5, 13, 576, 32, 4), (3, 9, 384, 128, 8),
                                  (70, 33, 256, 64, 4), (2, 11, 576, 32, 8)]:
-        for int8 in ("0", "1"):
+        for int8, scales in itertools.product("01", "012"):
             outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(group), str(bits),
-                                    int8], check=True, capture_output=True).stdout
+                                    int8, scales], check=True, capture_output=True).stdout
                     for exe in builds]
-            assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (m, n, k, int8)
+            assert len(outs[0]) == 4 * m * n and all(o == outs[0] for o in outs), (
+                m, n, k, int8, scales)
 
 
 def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_tokenizer):

@@ -298,6 +298,16 @@ def test_build_model_infers_mixed_quantization(name):
     # The same numbers either way: only the matmul's summation order differs.
     assert max_diff(quant_logits, deq_logits) <= 1e-3
 
+    # On the CPU the scales and biases stay as stored (float16) and are widened as the
+    # kernels read them: the bits of a model built from float32 copies of them.
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert embed.scales.dtype == down.biases.dtype == mx.float16
+        copies = {k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
+                  for k, v in checkpoint.items()}
+        wide = build_model(config, copies, dtype=mx.float32, dequantize=False)
+        assert dict(wide.named_modules())["model.embed_tokens"].scales.dtype == mx.float32
+        assert mx.array_equal(forward(wide, tokens), quant_logits)
+
 
 # ---------------------------------------------------------------------------------------------
 # logit_rows, chunked prefill

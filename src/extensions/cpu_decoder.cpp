@@ -36,7 +36,7 @@ void project(const float* x, const Projections& p, const std::vector<float*>& ys
   std::vector<QuantizedPart> parts;
   for (size_t i = 0; i < ys.size(); ++i)
     parts.push_back({static_cast<const uint32_t*>(p.weights[i]), p.scales[i], p.biases[i], ys[i],
-                     p.rows[i]});
+                     p.rows[i], p.scale_types[i]});
   quantized_linear_cpu(x, parts, M, K, {p.group, p.bits}, p.int8);
 }
 

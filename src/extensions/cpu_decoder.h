@@ -31,8 +31,8 @@ namespace tiny_llm {
 struct Projections {
   int bits = 0, group = 0;
   bool int8 = false;
-  std::vector<const void*> weights;
-  std::vector<const float*> scales, biases;
+  std::vector<const void*> weights, scales, biases;
+  std::vector<ScaleType> scale_types;
   std::vector<int64_t> rows;  // N_i
 };
 

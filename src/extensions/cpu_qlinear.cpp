@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -106,6 +107,79 @@ inline I16 load_bytes(const uint8_t* p) {
 
 constexpr int kBytesPerChunk = 16;  // one load of packed weights
 
+// ANCHOR: qlinear_scales
+// Scales and biases as stored: float, or the bits of a float16 or bfloat16 value. Every
+// float16 and bfloat16 value is a float32 value, so widening them where they are read is
+// exact: the same products as from float32 copies, from half the bytes.
+struct Float16Bits {
+  uint16_t bits;
+};
+struct BFloat16Bits {
+  uint16_t bits;
+};
+
+inline float to_float(float v) { return v; }
+
+inline float to_float(Float16Bits v) {
+#if defined(__F16C__) && defined(__AVX2__)
+  return _cvtsh_ss(v.bits);
+#else
+  // Sign, then the exponent rebiased from 15 to 127 and the 10 mantissa bits moved up 13;
+  // a subnormal's mantissa shifted up until it is normal; infinities and NaNs kept.
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+  uint32_t exponent = (v.bits >> 10) & 0x1fu, mantissa = v.bits & 0x3ffu, bits = sign;
+  if (exponent == 0x1f) {
+    bits |= 0x7f800000u | mantissa << 13;
+  } else if (exponent != 0) {
+    bits |= (exponent + 112) << 23 | mantissa << 13;
+  } else if (mantissa != 0) {
+    for (exponent = 113; !(mantissa & 0x400u); mantissa <<= 1) --exponent;
+    bits |= exponent << 23 | (mantissa & 0x3ffu) << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+inline float to_float(BFloat16Bits v) {  // the top half of a float32's bits
+  const uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// load_floats of values stored narrower: the first `count` (1 .. 16), widened.
+template <typename S>
+inline F16 load_floats(const S* p, int count) {
+  static_assert(sizeof(S) == 2, "float32 values take load_floats(const float*, int)");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i bits = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p);
+  if constexpr (std::is_same_v<S, Float16Bits>) return _mm512_cvtph_ps(bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#else
+  F16 out{};
+  for (int i = 0; i < count; ++i) out[i] = to_float(p[i]);
+  return out;
+#endif
+}
+
+// fn(scales, biases): the part's, as pointers to the type they are stored in.
+template <typename Fn>
+void with_scales(const QuantizedPart& part, Fn&& fn) {
+  switch (part.scale_type) {
+    case ScaleType::f16:
+      return fn(static_cast<const Float16Bits*>(part.scales),
+                static_cast<const Float16Bits*>(part.biases));
+    case ScaleType::bf16:
+      return fn(static_cast<const BFloat16Bits*>(part.scales),
+                static_cast<const BFloat16Bits*>(part.biases));
+    default:
+      return fn(static_cast<const float*>(part.scales), static_cast<const float*>(part.biases));
+  }
+}
+// ANCHOR_END: qlinear_scales
+
 // ANCHOR: qlinear_rows
 // x as the kernel reads it, made once per call: each row as 16-lane vectors in the order
 // of the packed bytes (at 4 bits, each 32 weights' even elements, then their odd ones),
@@ -164,8 +238,8 @@ inline void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (
 }
 
 // bias[i] = the lane-wise b_g * sum_g(x) of row i over a weight row's groups, 16 at a time.
-template <int MR>
-inline void bias_terms(const float* biases, const F16* const* sums, int64_t groups,
+template <int MR, typename S>
+inline void bias_terms(const S* biases, const F16* const* sums, int64_t groups,
                        F16 (&bias)[MR]) {
   for (int i = 0; i < MR; ++i) bias[i] = F16{};
   for (int64_t j = 0; j * 16 < groups; ++j) {
@@ -178,24 +252,31 @@ inline void bias_terms(const float* biases, const F16* const* sums, int64_t grou
 // even (odd) accumulates s_g * v_g over the even (odd) groups g in order, and bias is the
 // lane-wise b_g * sum_g(x) over the groups, 16 at a time. Two accumulators keep two groups
 // in flight (one chain of fused multiply-adds waits 4 cycles a link); nothing in it
-// depends on MR or on the other rows.
-template <int MR, int BITS>
-void tile(const StagedRows& rows, int64_t m, const uint8_t* w, const float* scales,
-          const float* biases, int chunks_per_group, float* y, int64_t ldy) {
+// depends on MR or on the other rows. The scales are read sixteen at a time into float32
+// (one conversion for sixteen groups where they are stored narrower).
+template <int MR, int BITS, typename S>
+void tile(const StagedRows& rows, int64_t m, const uint8_t* w, const S* scales, const S* biases,
+          int chunks_per_group, float* y, int64_t ldy) {
   const int64_t groups = rows.groups();
   const F16 *x[MR], *sums[MR];
   F16 even[MR] = {}, odd[MR] = {}, v[MR];
   for (int i = 0; i < MR; ++i) x[i] = rows.x(m + i), sums[i] = rows.sums(m + i);
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    group_sums<MR, BITS>(w, x, chunks_per_group, v);
-    for (int i = 0; i < MR; ++i) even[i] = fma16(splat(scales[g]), v[i], even[i]);
-    group_sums<MR, BITS>(w, x, chunks_per_group, v);
-    for (int i = 0; i < MR; ++i) odd[i] = fma16(splat(scales[g + 1]), v[i], odd[i]);
-  }
-  if (g < groups) {
-    group_sums<MR, BITS>(w, x, chunks_per_group, v);
-    for (int i = 0; i < MR; ++i) even[i] = fma16(splat(scales[g]), v[i], even[i]);
+  for (int64_t first = 0; first < groups; first += 16) {  // even: a group's parity stays
+    const int count = static_cast<int>(std::min<int64_t>(16, groups - first));
+    float s[16];
+    const F16 widened = load_floats(scales + first, count);
+    std::memcpy(s, &widened, sizeof s);
+    int g = 0;
+    for (; g + 2 <= count; g += 2) {
+      group_sums<MR, BITS>(w, x, chunks_per_group, v);
+      for (int i = 0; i < MR; ++i) even[i] = fma16(splat(s[g]), v[i], even[i]);
+      group_sums<MR, BITS>(w, x, chunks_per_group, v);
+      for (int i = 0; i < MR; ++i) odd[i] = fma16(splat(s[g + 1]), v[i], odd[i]);
+    }
+    if (g < count) {  // the row's last group, an even one
+      group_sums<MR, BITS>(w, x, chunks_per_group, v);
+      for (int i = 0; i < MR; ++i) even[i] = fma16(splat(s[g]), v[i], even[i]);
+    }
   }
   F16 bias[MR];
   bias_terms<MR>(biases, sums, groups, bias);
@@ -205,9 +286,9 @@ void tile(const StagedRows& rows, int64_t m, const uint8_t* w, const float* scal
 
 constexpr int kTileRows = 4;
 
-template <int BITS>
+template <int BITS, typename S>
 void rows_against_weight_row(const StagedRows& rows, int64_t m0, int64_t m1,
-                             const uint8_t* w, const float* scales, const float* biases,
+                             const uint8_t* w, const S* scales, const S* biases,
                              int chunks_per_group, float* y, int64_t N) {
   int64_t m = m0;
   for (; m + kTileRows <= m1; m += kTileRows)
@@ -301,7 +382,8 @@ class Int8Rows {
   int64_t groups() const { return groups_; }
   int64_t blocks() const { return blocks_; }
   // Lane k: the scale (or any per-group value) of the weight group that lane k of block b reads.
-  F16 lane_values(const float* per_group, int64_t b) const {
+  template <typename S>
+  F16 lane_values(const S* per_group, int64_t b) const {
     const int64_t first = first_group_[b];
 #if defined(__AVX512F__)
     return _mm512_permutexvar_ps(reinterpret_cast<__m512i>(lane_group_),
@@ -309,7 +391,7 @@ class Int8Rows {
 #else
     F16 out;
     for (int k = 0; k < 16; ++k)  // lanes past the row's last group: zero, as above
-      out[k] = lane_group_[k] < group_count_[b] ? per_group[first + lane_group_[k]] : 0.0f;
+      out[k] = lane_group_[k] < group_count_[b] ? to_float(per_group[first + lane_group_[k]]) : 0.0f;
     return out;
 #endif
   }
@@ -429,9 +511,9 @@ inline I16 products(const WeightBlock& w, const int8_t* xq) {
 // steps fixed, so the bits depend on K, the group size and the bit width only: the same
 // in any tile, at any M and on any vector unit. NR > 1 shares each row's xq loads among
 // the weight rows and keeps more chains in flight when there are few rows of x.
-template <int MR, int NR, int BITS>
+template <int MR, int NR, int BITS, typename S>
 void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_bytes,
-               const float* scales, const float* biases, float* y, int64_t ldy) {
+               const S* scales, const S* biases, float* y, int64_t ldy) {
   const int64_t groups = rows.groups(), blocks = rows.blocks();
   F16 acc[MR][NR] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -465,23 +547,23 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
 }
 // ANCHOR_END: qlinear_int8_tile
 
-// Rows m0 .. m1 - 1 of x against weight rows n0 .. n1 - 1: tiles of four rows of x, the
-// rows left over against two (three or two rows) or four (one row) weight rows at a time.
-template <int BITS>
-void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1, int64_t n0,
-                                   int64_t n1, const uint8_t* bytes, int64_t row_bytes,
-                                   const float* scales, const float* biases, float* y,
-                                   int64_t N) {
+// Rows m0 .. m1 - 1 of x against the n1 weight rows at `bytes` (their scales and biases,
+// their outputs y + n): tiles of four rows of x, the rows left over against two (three or
+// two rows) or four (one row) weight rows at a time.
+template <int BITS, typename S>
+void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1, int64_t n1,
+                                   const uint8_t* bytes, int64_t row_bytes, const S* scales,
+                                   const S* biases, float* y, int64_t N) {
   const int64_t groups = rows.groups();
   auto run = [&](auto tile_fn, int nr, int64_t m) {
-    int64_t n = n0;
+    int64_t n = 0;
     for (; n + nr <= n1; n += nr)
       tile_fn(rows, m, bytes + n * row_bytes, row_bytes, scales + n * groups, biases + n * groups,
               y + m * N + n, N);
     return n;
   };
   int64_t m = m0;
-  for (; m + kTileRows <= m1; m += kTileRows) run(int8_tile<kTileRows, 1, BITS>, 1, m);
+  for (; m + kTileRows <= m1; m += kTileRows) run(int8_tile<kTileRows, 1, BITS, S>, 1, m);
   // The rows left over: NR weight rows at a time, then the last weight rows one by one.
   auto rest = [&](auto wide, int nr, auto narrow) {
     const int64_t n = run(wide, nr, m);
@@ -490,11 +572,17 @@ void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1,
              y + m * N + k, N);
   };
   switch (m1 - m) {
-    case 3: return rest(int8_tile<3, 2, BITS>, 2, int8_tile<3, 1, BITS>);
-    case 2: return rest(int8_tile<2, 2, BITS>, 2, int8_tile<2, 1, BITS>);
-    case 1: return rest(int8_tile<1, 4, BITS>, 4, int8_tile<1, 1, BITS>);
+    case 3: return rest(int8_tile<3, 2, BITS, S>, 2, int8_tile<3, 1, BITS, S>);
+    case 2: return rest(int8_tile<2, 2, BITS, S>, 2, int8_tile<2, 1, BITS, S>);
+    case 1: return rest(int8_tile<1, 4, BITS, S>, 4, int8_tile<1, 1, BITS, S>);
     default: return;
   }
+}
+
+// `items` rounded up to a multiple of the pool's threads, at most N (rows to share out).
+int64_t even_items(int64_t N, int64_t items) {
+  const int64_t threads = pool_threads();
+  return std::min(std::max<int64_t>(N, 1), (items + threads - 1) / threads * threads);
 }
 
 }  // namespace
@@ -524,42 +612,55 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
   const int64_t groups = K / format.group;
   const int64_t row_bytes = K * format.bits / 8;
   const int chunks_per_group = format.group * format.bits / 8 / kBytesPerChunk;
-  // A work item: up to 64 rows of x against about 128 KiB of packed weight rows. Larger
-  // items stream faster (one run of the prefetchers each): one row of x through the
-  // default model's layers took 0.85x the time of 32 KiB items on the development machine.
+  // A work item: up to 64 rows of x against about 128 KiB of one part's weight rows (their
+  // bytes, scales and biases). Larger items stream faster (one run of the prefetchers
+  // each): one row of x through the default model's layers took 0.85x the time of 32 KiB
+  // items on the development machine. So few items need evening out: a part's are of one
+  // size, and their number a multiple of the pool's threads (the default model's down_proj
+  // was five items of 113 rows and one of 11, which left a core idle a third of the call).
   const int64_t block_rows = 64;
-  const int64_t block_weights =
-      std::max<int64_t>(1, 131072 / (row_bytes + 2 * groups * static_cast<int64_t>(sizeof(float))));
   const int64_t m_blocks = (M + block_rows - 1) / block_rows;
-  std::vector<int64_t> first{0};
-  for (const auto& part : parts)
-    first.push_back(first.back() + m_blocks * ((part.N + block_weights - 1) / block_weights));
-  const double flops = 2.0 * std::min(M, block_rows) * block_weights * K;
+  std::vector<int64_t> first{0}, item_rows;
+  int64_t weight_rows = 0;
+  for (const auto& part : parts) {
+    const int64_t row_cost = row_bytes + 2 * groups * scale_bytes(part.scale_type);
+    const int64_t items = even_items(part.N, std::max<int64_t>(1, part.N * row_cost / 131072));
+    item_rows.push_back((part.N + items - 1) / items);
+    first.push_back(first.back() + m_blocks * ((part.N + item_rows.back() - 1) / item_rows.back()));
+    weight_rows += part.N;
+  }
+  if (first.back() == 0) return;  // every part has N = 0
+  const double flops = 2.0 * std::min(M, block_rows) * K * weight_rows * m_blocks / first.back();
   parallel_for(static_cast<int>(first.back()), flops, [&](int index) {
     int64_t item = index;
-    const QuantizedPart& part = parts[part_of(first, item)];
-    const int64_t n0 = item / m_blocks * block_weights, mb = item % m_blocks;
+    const size_t p = part_of(first, item);
+    const QuantizedPart& part = parts[p];
+    const int64_t n0 = item / m_blocks * item_rows[p], mb = item % m_blocks;
     const int64_t m0 = mb * block_rows, m1 = std::min(M, m0 + block_rows);
-    const auto* bytes = reinterpret_cast<const uint8_t*>(part.w);
-    if (int8) {
-      const int64_t n1 = std::min(part.N, n0 + block_weights);
-      if (format.bits == 4)
-        int8_rows_against_weight_rows<4>(*int8_rows, m0, m1, n0, n1, bytes, row_bytes,
-                                         part.scales, part.biases, part.y, part.N);
-      else
-        int8_rows_against_weight_rows<8>(*int8_rows, m0, m1, n0, n1, bytes, row_bytes,
-                                         part.scales, part.biases, part.y, part.N);
-      return;
-    }
-    for (int64_t n = n0; n < std::min(part.N, n0 + block_weights); ++n) {
-      const uint8_t* w = bytes + n * row_bytes;
-      const float *s = part.scales + n * groups, *b = part.biases + n * groups;
-      float* y = part.y + n;
-      if (format.bits == 4)
-        rows_against_weight_row<4>(*rows, m0, m1, w, s, b, chunks_per_group, y, part.N);
-      else
-        rows_against_weight_row<8>(*rows, m0, m1, w, s, b, chunks_per_group, y, part.N);
-    }
+    const int64_t n1 = std::min(part.N, n0 + item_rows[p]);
+    // The item's weight rows from n0: their bytes, scales and biases, and their outputs.
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(part.w) + n0 * row_bytes;
+    float* y = part.y + n0;
+    with_scales(part, [&](auto scales, auto biases) {
+      scales += n0 * groups, biases += n0 * groups;
+      if (int8) {
+        if (format.bits == 4)
+          int8_rows_against_weight_rows<4>(*int8_rows, m0, m1, n1 - n0, bytes, row_bytes, scales,
+                                           biases, y, part.N);
+        else
+          int8_rows_against_weight_rows<8>(*int8_rows, m0, m1, n1 - n0, bytes, row_bytes, scales,
+                                           biases, y, part.N);
+        return;
+      }
+      for (int64_t n = 0; n < n1 - n0; ++n) {
+        const uint8_t* w = bytes + n * row_bytes;
+        const auto *s = scales + n * groups, *b = biases + n * groups;
+        if (format.bits == 4)
+          rows_against_weight_row<4>(*rows, m0, m1, w, s, b, chunks_per_group, y + n, part.N);
+        else
+          rows_against_weight_row<8>(*rows, m0, m1, w, s, b, chunks_per_group, y + n, part.N);
+      }
+    });
   });
 }
 // ANCHOR_END: qlinear
@@ -582,14 +683,16 @@ inline F16 interleave(F16 a, F16 b) {
 // Weight rows n0 .. n1 - 1 of `part` as float32 [n1 - n0, K]: s * q + b (a fused multiply-add,
 // one rounding), sixteen weights at a time (a scalar loop took about 1 ns a weight: 0.13 s
 // for one prefill step's weights on the development machine).
-void dequantize_rows(const QuantizedPart& part, int64_t n0, int64_t n1, int64_t K,
-                     QuantFormat format, float* out) {
+template <typename S>
+void dequantize_rows(const QuantizedPart& part, const S* scales, const S* biases, int64_t n0,
+                     int64_t n1, int64_t K, QuantFormat format, float* out) {
   const int64_t groups = K / format.group, row_bytes = K * format.bits / 8;
   const auto* bytes = reinterpret_cast<const uint8_t*>(part.w);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = bytes + n * row_bytes;
     for (int64_t g = 0; g < groups; ++g) {
-      const F16 s = splat(part.scales[n * groups + g]), b = splat(part.biases[n * groups + g]);
+      const F16 s = splat(to_float(scales[n * groups + g]));
+      const F16 b = splat(to_float(biases[n * groups + g]));
       for (int64_t k = 0; k < format.group; w += kBytesPerChunk) {
         const I16 q = load_bytes(w);
         if (format.bits == 4) {  // byte j: weights 2j (low nibble) and 2j + 1
@@ -628,7 +731,9 @@ void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart
     const int64_t n0 = b * block, n = std::min(part.N, n0 + block) - n0;
     thread_local std::vector<float> weights;
     weights.resize(n * K);
-    dequantize_rows(part, n0, n0 + n, K, format, weights.data());
+    with_scales(part, [&](auto scales, auto biases) {
+      dequantize_rows(part, scales, biases, n0, n0 + n, K, format, weights.data());
+    });
     cblas_sgemm(101, 111, 112, static_cast<int>(M), static_cast<int>(n), static_cast<int>(K),
                 1.0f, x, static_cast<int>(K), weights.data(), static_cast<int>(K), 0.0f,
                 part.y + n0, static_cast<int>(part.N));

@@ -16,24 +16,35 @@
 // over the worker pool (Linux only, like linear_blas_split).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 namespace tiny_llm {
 
+// The dtype scales and biases are stored in: float32, or float16 / bfloat16 as quantized
+// checkpoints keep them (GGUF's Q4_1 and Q8_0 blocks hold float16 ones). The kernels read
+// them as stored and widen them to float32, which is exact: the same products as from
+// float32 copies, from half the bytes (in float32 they were 29% of what a decode step of
+// the default 4-bit model streams: groups of 32 weights, 4 bytes each of scale and bias).
+enum class ScaleType : uint8_t { f32, f16, bf16 };
+
 // One quantized weight matrix of a call and where its product goes.
 struct QuantizedPart {
   const uint32_t* w;     // [N, K * bits / 32]
-  const float* scales;   // [N, K / group]
-  const float* biases;   // [N, K / group]
+  const void* scales;    // [N, K / group], of scale_type
+  const void* biases;    // [N, K / group], of scale_type
   float* y;              // [M, N]
   int64_t N;
+  ScaleType scale_type;
 };
 
 struct QuantFormat {
   int group;
   int bits;
 };
+
+inline size_t scale_bytes(ScaleType t) { return t == ScaleType::f32 ? 4 : 2; }
 
 // Whether the kernels below serve this format (others take MLX's quantized_matmul).
 bool quantized_kernel_serves(QuantFormat format);

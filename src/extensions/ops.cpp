@@ -84,6 +84,15 @@ bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+// Quantized layers' scales and biases: of one float dtype, read as stored (cpu_qlinear.h).
+bool serves_scales(const mx::array& scales, const mx::array& biases) {
+  return is_float(scales.dtype()) && biases.dtype() == scales.dtype();
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  return t == mx::float16 ? ScaleType::f16 : t == mx::bfloat16 ? ScaleType::bf16 : ScaleType::f32;
+}
+
 }  // namespace
 
 int pool_copies() { return g_pool_copies.load(); }
@@ -218,8 +227,8 @@ void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
     const auto w = row_major(inputs[3 * i + 1], enc);
     const auto scales = row_major(inputs[3 * i + 2], enc);
     const auto biases = row_major(inputs[3 * i + 3], enc);
-    parts.push_back({w.data<uint32_t>(), scales.data<float>(), biases.data<float>(),
-                     outputs[i].data<float>(), w.shape(0)});
+    parts.push_back({w.data<uint32_t>(), scales.data<void>(), biases.data<void>(),
+                     outputs[i].data<float>(), w.shape(0), scale_type(scales.dtype())});
   }
   enc.dispatch([x = x.data<float>(), parts = std::move(parts), m = x.shape(0), k = x.shape(1),
                 format = QuantFormat{group_, bits_}, blas = blas_, int8 = int8_]() {
@@ -291,14 +300,16 @@ namespace {
 // float32 weights, three for packed ones); `first` moves past them.
 Projections read_projections(const std::vector<mx::array>& inputs, size_t& first, int parts,
                              int group, int bits, bool int8, mx::cpu::CommandEncoder& enc) {
-  Projections p{bits, group, int8 && bits != 0, {}, {}, {}, {}};
+  Projections p{bits, group, int8 && bits != 0, {}, {}, {}, {}, {}};
   for (int i = 0; i < parts; ++i) {
     const auto w = row_major(inputs[first++], enc);
     p.weights.push_back(w.data<void>());
     p.rows.push_back(w.shape(0));
     if (bits) {
-      p.scales.push_back(row_major(inputs[first++], enc).data<float>());
-      p.biases.push_back(row_major(inputs[first++], enc).data<float>());
+      const auto scales = row_major(inputs[first++], enc);
+      p.scales.push_back(scales.data<void>());
+      p.biases.push_back(row_major(inputs[first++], enc).data<void>());
+      p.scale_types.push_back(scale_type(scales.dtype()));
     }
   }
   return p;
@@ -436,9 +447,9 @@ std::vector<mx::array> quantized_linear(const mx::array& x,
     check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(1) == K * bits / 32,
           "quantized_linear needs packed uint32 weights [N, K * bits / 32]");
     const mx::Shape groups{w.shape(0), static_cast<int>(K / group)};
-    check(sc.shape() == groups && b.shape() == groups && sc.dtype() == mx::float32 &&
-              b.dtype() == mx::float32,
-          "quantized_linear needs float32 scales and biases [N, K / group]");
+    check(sc.shape() == groups && b.shape() == groups && serves_scales(sc, b),
+          "quantized_linear needs scales and biases [N, K / group] of one dtype: float32, "
+          "float16 or bfloat16");
     shapes.push_back({x.shape(0), w.shape(0)});
     inputs.insert(inputs.end(), {w, sc, b});
   }
@@ -550,10 +561,9 @@ std::vector<int64_t> add_projections(const ProjectionArrays& proj, int parts, in
       const auto &sc = arrays[i * per_part + 1], &b = arrays[i * per_part + 2];
       const mx::Shape groups{w.shape(0), static_cast<int>(K / group)};
       check(w.ndim() == 2 && w.dtype() == mx::uint32 && w.shape(1) == K * bits / 32 &&
-                sc.shape() == groups && b.shape() == groups && sc.dtype() == mx::float32 &&
-                b.dtype() == mx::float32,
-            what + " needs packed uint32 weights [N, K * bits / 32] and float32 scales and "
-            "biases [N, K / group]");
+                sc.shape() == groups && b.shape() == groups && serves_scales(sc, b),
+            what + " needs packed uint32 weights [N, K * bits / 32] and scales and biases "
+            "[N, K / group] of one dtype: float32, float16 or bfloat16");
     } else {
       check(w.ndim() == 2 && w.dtype() == mx::float32 && w.shape(1) == K,
             what + " needs float32 weights [N, K]");

@@ -15,8 +15,8 @@
 //       weights of one call share one run of the pool (cpu_linear.h).
 //   quantized_linear(x [M, K], [(w_i, scales_i, biases_i), ...], group, bits, blas, int8)
 //       -> [x @ W_i^T [M, N_i], ...], W_i in MLX's affine layout (packed uint32 w_i
-//       [N_i, K * bits / 32], float32 scales_i and biases_i [N_i, K / group]), on a CPU
-//       stream: the decode rows from the packed bytes (with int8, x rounded to int8 per
+//       [N_i, K * bits / 32], scales_i and biases_i [N_i, K / group] in float32, or in
+//       float16 or bfloat16 as stored), on a CPU stream: the decode rows from the packed bytes (with int8, x rounded to int8 per
 //       32 values first), or with blas the prefill rows from dequantized blocks by MLX's
 //       BLAS (cpu_qlinear.h).
 //   rope(x [T, H, D], positions int32 [T], inv_freq [dims / 2], dims, traditional, scale)

@@ -125,14 +125,18 @@ class WorkerPool {
 
 }  // namespace
 
-void parallel_for(int n, double flops_per_item, const std::function<void(int)>& fn) {
+int pool_threads() {
   // Asked once: glibc answers hardware_concurrency() by reading a file in /sys, a few
   // microseconds of system calls that a decode step's ~170 kernels each paid.
   static const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int hw = g_num_threads.load();
-  if (hw <= 0) hw = hardware;
+  const int configured = g_num_threads.load();
+  return configured > 0 ? configured : hardware;
+}
+
+void parallel_for(int n, double flops_per_item, const std::function<void(int)>& fn) {
   const double total = n * flops_per_item;
-  const int threads = std::min({hw, n, 256, std::max(1, static_cast<int>(total / 2e5))});
+  const int threads =
+      std::min({pool_threads(), n, 256, std::max(1, static_cast<int>(total / 2e5))});
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;

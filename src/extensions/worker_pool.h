@@ -18,4 +18,7 @@ void parallel_for(int n, double flops_per_item, const std::function<void(int)>& 
 // Threads the CPU kernels may use; 0 (the default) means every hardware thread.
 void set_num_threads(int n);
 
+// The threads a large job runs on: set_num_threads's number, else every hardware thread.
+int pool_threads();
+
 }  // namespace tiny_llm

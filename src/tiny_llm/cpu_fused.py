@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiny_llm.cpu_kernels import Linear, QuantizedLinear, fused_step, native
+from tiny_llm.cpu_kernels import Linear, QuantizedLinear, fused_step, kernel_reads_scales, native
 from tiny_llm.extension import extension
 
 import mlx.core as mx
@@ -109,7 +109,7 @@ def _projections(layers: list[nn.Module], biases_allowed: bool = False
     arrays = []
     for m in layers:
         if (not isinstance(m, QuantizedLinear) or m.group_size != group or m.bits != bits
-                or m.mode != mode or "biases" not in m or m["scales"].dtype != mx.float32):
+                or m.mode != mode or not kernel_reads_scales(m)):
             return None
         arrays += (m["weight"], m["scales"], m["biases"])
     if mode != "affine" or not native().quantized_kernel_serves(group, bits):

@@ -120,6 +120,15 @@ def kernels_on(*arrays: mx.array) -> bool:
     return _decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
 
 
+def kernel_reads_scales(layer: nn.Module) -> bool:
+    """Whether the extension's quantized kernels read this layer's scales and biases: both
+    of one dtype, float32 or, as checkpoints store them, float16 or bfloat16 (widened to
+    float32 in the kernel, exactly)."""
+    scales, biases = layer["scales"], layer.get("biases")
+    return (biases is not None and biases.dtype == scales.dtype
+            and scales.dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
 def linears(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     """``[x @ w.T for w in weights]``; in a step, decode rows by the decode kernel and the
     rest by split BLAS, each in one call for all the weights (read in one pass)."""
@@ -139,8 +148,8 @@ def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
     split BLAS; formats it does not serve, and everything outside a step, by MLX's
     ``quantized_matmul``."""
     first = layers[0]
-    if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or first.get("biases") is None
-            or not kernels_on(x, *(layer["scales"] for layer in layers))
+    if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or not kernels_on(x)
+            or not all(kernel_reads_scales(layer) for layer in layers)
             or not native().quantized_kernel_serves(first.group_size, first.bits)):
         return [mlx_quantized_matmul(x, layer) for layer in layers]
     ext, fmt, int8 = native(), (first.group_size, first.bits), _int8_rows.get()
@@ -249,7 +258,21 @@ class Embedding(nn.Embedding):
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied LM head) is
-    ``quantized_linears``."""
+    ``quantized_linears``, and whose lookup gives ``output_dtype`` rows when it is set."""
+
+    # The model's dtype where the scales are stored narrower (the loader keeps a
+    # checkpoint's float16 scales on the CPU): mx.dequantize computes in the scales'
+    # dtype, so the looked-up rows' scales are widened first, not the rows rounded.
+    output_dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scales, biases = self["scales"][x], self.get("biases")
+        biases = None if biases is None else biases[x]
+        if self.output_dtype is not None and scales.dtype != self.output_dtype:
+            scales = scales.astype(self.output_dtype)
+            biases = None if biases is None else biases.astype(self.output_dtype)
+        return mx.dequantize(self["weight"][x], scales=scales, biases=biases,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_linears(x, [self])[0]
