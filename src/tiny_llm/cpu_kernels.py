@@ -43,7 +43,10 @@ row.
 once for all the rows of the call (a 4-bit model's step reads about a fifth of float32's
 bytes) in an order that depends on nothing but K, the group size and the bit width;
 prefill rows by blocks dequantized to float32 for the split BLAS. It serves 4 and 8 bits
-in groups of a multiple of 32; other formats take MLX's ``quantized_matmul``.
+in groups of a multiple of 32; other formats take MLX's ``quantized_matmul``. Scales and
+biases are read in the dtype the checkpoint stores them in (the loader keeps float16 and
+bfloat16 ones on the CPU): the kernel widens them to float32 as it reads them, which is
+exact, so they give the bits of float32 copies from half the bytes.
 
 **Int8 activations, an option** (``EngineConfig(int8_activations=True)``,
 ``--int8-activations``): the decode rows of quantized layers are rounded to int8 per 32
