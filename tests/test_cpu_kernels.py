@@ -672,6 +672,23 @@ def test_scales_as_stored_give_the_bits_of_float32_copies(ext, dtype, group_size
             assert np.array_equal(np.asarray(g), np.asarray(w)), (m, options)
 
 
+def test_an_empty_quantized_part_leaves_the_others_alone(ext):
+    """A weight of no rows beside others in one call: an empty output, the others' bits as
+    in calls of their own, in the decode kernel, int8 activations and the split BLAS."""
+    k = 256
+    x = mx.random.normal((5, k), key=mx.random.key(3))
+    w, s, b = quantized(40, k, 32, 4, seed=2)
+    empty = (mx.zeros((0, k * 4 // 32), dtype=mx.uint32), mx.zeros((0, k // 32)),
+             mx.zeros((0, k // 32)))
+    calls = [dict(), dict(int8=True)] + ([dict(blas=True)] if ext.has_blas_split else [])
+    for options in calls:
+        alone = ext.quantized_linear_group(x, [w], [s], [b], 32, 4, **options)[0]
+        got = ext.quantized_linear_group(x, [empty[0], w], [empty[1], s], [empty[2], b], 32, 4,
+                                         **options)
+        assert got[0].shape == (5, 0), options
+        assert np.array_equal(np.asarray(got[1]), np.asarray(alone)), options
+
+
 def int8_oracle(x: mx.array, packed, group_size: int, bits: int) -> np.ndarray:
     """x rounded as int8 activations define it (per 32 values: scale max|x| / 127, x times
     127 / max|x| in float32 rounded to the nearest integer, ties to even), then the product

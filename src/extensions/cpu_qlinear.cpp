@@ -261,7 +261,8 @@ void tile(const StagedRows& rows, int64_t m, const uint8_t* w, const S* scales, 
   const F16 *x[MR], *sums[MR];
   F16 even[MR] = {}, odd[MR] = {}, v[MR];
   for (int i = 0; i < MR; ++i) x[i] = rows.x(m + i), sums[i] = rows.sums(m + i);
-  for (int64_t first = 0; first < groups; first += 16) {  // even: a group's parity stays
+  // Blocks of sixteen groups, an even number: each group keeps its accumulator, even or odd.
+  for (int64_t first = 0; first < groups; first += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, groups - first));
     float s[16];
     const F16 widened = load_floats(scales + first, count);
@@ -616,8 +617,10 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
   // bytes, scales and biases). Larger items stream faster (one run of the prefetchers
   // each): one row of x through the default model's layers took 0.85x the time of 32 KiB
   // items on the development machine. So few items need evening out: a part's are of one
-  // size, and their number a multiple of the pool's threads (the default model's down_proj
-  // was five items of 113 rows and one of 11, which left a core idle a third of the call).
+  // size, and their number a multiple of the pool's threads (with float16 scales the
+  // default model's gate and up came to five items each, and 30 of those projections took
+  // 1.18x the time of six items each; its down_proj was five items of 113 rows and one
+  // of 11).
   const int64_t block_rows = 64;
   const int64_t m_blocks = (M + block_rows - 1) / block_rows;
   std::vector<int64_t> first{0}, item_rows;
@@ -625,7 +628,7 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
   for (const auto& part : parts) {
     const int64_t row_cost = row_bytes + 2 * groups * scale_bytes(part.scale_type);
     const int64_t items = even_items(part.N, std::max<int64_t>(1, part.N * row_cost / 131072));
-    item_rows.push_back((part.N + items - 1) / items);
+    item_rows.push_back(std::max<int64_t>(1, (part.N + items - 1) / items));  // N may be 0
     first.push_back(first.back() + m_blocks * ((part.N + item_rows.back() - 1) / item_rows.back()));
     weight_rows += part.N;
   }
