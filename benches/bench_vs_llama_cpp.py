@@ -29,7 +29,7 @@ Each round, in turn (``--rounds``, default 3; medians):
   (``--int8-activations``): the decode rows rounded to int8 per 32 values, as llama.cpp
   does for its quantized formats, and multiplied by the packed weights as integers;
 - **the engine, as stored, layers op by op**: as stored with ``fused_layers=False``: each
-  decode step's layers as their sixteen ops instead of two fused ones (``cpu_fused.py``),
+  decode step's layers as their sixteen ops each instead of one fused op (``cpu_fused.py``),
   the same bits, to show what the fusion pays.
 
 All use every core. The table gives each one's bytes per token next to its speed, and its

@@ -1,4 +1,4 @@
-"""The fused decoder layer of decode steps (``tiny_llm/cpu_fused.py``).
+"""The fused decoder layers of decode steps (``tiny_llm/cpu_fused.py``).
 
 - every step's logits with the fused layers are the op path's bit for bit, and so are the
   tokens, for each family's switches (Llama, Qwen2's q/k/v biases, Qwen3's head norms,
@@ -10,8 +10,10 @@
 - the fused path runs for the layers of decode steps only: a step with prefill rows, the
   MLX-ops backends, ``cpu_kernels=False``, ``fused_layers=False``, MoE layers and a
   learner's extension all run op by op;
-- ``--no-fused-layers`` turns them off; bad input to the two ops is refused with a clear
-  error.
+- the op writes the pools in place only when nothing else holds them: a pool array held
+  elsewhere, or a view of one, sends the step op by op and keeps the holder's array as it
+  was; replaced weights are read again;
+- ``--no-fused-layers`` turns them off; bad input to the op is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -198,37 +200,109 @@ def test_the_command_line_turns_the_fused_layers_off():
         EngineConfig(fused_layers="no")
 
 
+def decode_engine(model, tokenizer):
+    """An engine with one request whose next step is a decode step."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.runs import greedy
+
+    engine = LLMEngine(model, tokenizer, num_pages=64)
+    engine.add_request({"prompt_token_ids": [5, 6, 7, 8]}, greedy(8))
+    engine.step()  # the prompt
+    engine.step()  # a decode step: the pools are now the op's
+    return engine
+
+
+def test_the_pools_are_written_in_place(smollm_tokenizer):
+    from tiny_llm import cpu_fused
+    from tiny_llm.cpu_kernels import native
+
+    engine = decode_engine(model_of("llama"), smollm_tokenizer)
+    pool = engine.kv.pool
+    # Ids and copies only: a reference to a pool array would keep the op from writing it.
+    ids, copies = [id(a) for a in [*pool.k, *pool.v]], native().pool_copies()
+    before, fused = [np.array(a) for a in [*pool.k, *pool.v]], cpu_fused.fused_layers_run
+    engine.step()
+    assert cpu_fused.fused_layers_run == fused + engine.model.config.num_hidden_layers
+    # The same arrays, one more row each, and no copy of a pool.
+    assert ids == [id(a) for a in [*pool.k, *pool.v]]
+    assert native().pool_copies() == copies
+    for old, new in zip(before, [*pool.k, *pool.v], strict=True):
+        changed = np.any(old != np.array(new), axis=-1).reshape(-1, old.shape[2]).any(axis=1)
+        assert changed.sum() == 1  # the decode row's slot
+
+
+@pytest.mark.parametrize("holder", ["reference", "view"])
+def test_a_pool_held_elsewhere_is_not_written_in_place(smollm_tokenizer, holder):
+    """An array of the pool that someone else holds (or a view of it) keeps its values: the
+    step runs op by op, whose write copies that pool; the tokens do not change."""
+    from tiny_llm import cpu_fused
+
+    model = model_of("llama")
+    engine, want = decode_engine(model, smollm_tokenizer), decode_engine(model, smollm_tokenizer)
+    held = engine.kv.pool.k[1] if holder == "reference" else engine.kv.pool.k[1][:2]
+    values, fused = np.array(held), cpu_fused.fused_layers_run
+    out = engine.step()[0].outputs[0].token_ids
+    assert cpu_fused.fused_layers_run == fused
+    assert np.array_equal(np.array(held), values)
+    assert out == want.step()[0].outputs[0].token_ids
+    del held
+    engine.step()
+    assert cpu_fused.fused_layers_run > fused  # nothing holds the pools now: fused again
+
+
+def test_replaced_weights_are_read_again(smollm_tokenizer):
+    """The layers' arrays are read once and kept while the modules and arrays stay the
+    same; a weight replaced after a run is the one the next run multiplies by."""
+    model = model_of("4-bit")
+    run(model, smollm_tokenizer)
+    down = model.model.layers[1].mlp.down_proj
+    model.model.layers[1].mlp.down_proj.update({"scales": down.scales * 2})
+    tokens, logits, fused = run(model, smollm_tokenizer)
+    want_tokens, want_logits, _ = run(model, smollm_tokenizer, fused_layers=False)
+    assert fused > 0 and tokens == want_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
 def test_bad_input_is_refused():
     from tiny_llm.cpu_kernels import native
 
     ext = native()
-    x, norm = mx.zeros((1, 64)), mx.ones((64,))
     w = [mx.zeros((64, 64)), mx.zeros((32, 64)), mx.zeros((32, 64))]
-    pos, inv_freq = mx.zeros((1,), dtype=mx.int32), mx.ones((8,))
-    rope = dict(n_heads=4, n_kv_heads=2, eps=1e-6, rope_dims=16, rope_traditional=False,
-                rope_scale=1.0)
-    q, k, v = ext.decoder_qkv(x, norm, (w, 0, 0), pos, inv_freq, **rope)
-    assert (q.shape, k.shape, v.shape) == ((1, 4, 16), (1, 2, 16), (1, 2, 16))
-    with pytest.raises(ValueError, match="needs 3 weights"):
-        ext.decoder_qkv(x, norm, (w[:2], 0, 0), pos, inv_freq, **rope)
-    with pytest.raises(ValueError, match="float32 x"):
-        ext.decoder_qkv(x.astype(mx.float16), norm, (w, 0, 0), pos, inv_freq, **rope)
-    with pytest.raises(ValueError, match="does not serve this format"):
-        packed = [a for m in w for a in mx.quantize(m, group_size=32, bits=4)]
-        ext.decoder_qkv(x, norm, (packed, 32, 3), pos, inv_freq, **rope)
-    with pytest.raises(ValueError, match="inv_freq"):
-        ext.decoder_qkv(x, norm, (w, 0, 0), pos, mx.ones((3,)), **rope)
-    pages = mx.zeros((4, 16, 2, 16))
-    meta = (mx.zeros((1, 1), dtype=mx.int32), mx.ones((1,), dtype=mx.int32),
-            mx.array([0, 1], dtype=mx.int32))
+    norm, inv_freq = mx.ones((64,)), mx.ones((8,))
     mlp = ([mx.zeros((128, 64)), mx.zeros((128, 64))], 0, 0)
     down = ([mx.zeros((64, 128))], 0, 0)
-    out = ext.decoder_rest(x, q, pages, pages, *meta, 0.25, True, ([w[0]], 0, 0), norm, 1e-6,
-                           mlp, down)
+    layer = [norm, (w, 0, 0), [], [], inv_freq, norm, ([w[0]], 0, 0), mlp, down]
+    shape = dict(n_heads=4, n_kv_heads=2, head_dim=16, eps=1e-6, post_eps=1e-6, rope_dims=16,
+                 rope_traditional=False, rope_scale=1.0, scale=0.25)
+
+    def with_(i, value):
+        return [value if j == i else a for j, a in enumerate(layer)]
+
+    run_ = ext.decoder_run([layer, layer], **shape)
+    x, pos = mx.zeros((1, 64)), mx.zeros((1,), dtype=mx.int32)
+    meta = (mx.zeros((1,), dtype=mx.int32), mx.zeros((1, 1), dtype=mx.int32),
+            mx.ones((1,), dtype=mx.int32), mx.array([0, 1], dtype=mx.int32))
+    pools = [mx.zeros((4, 16, 2, 16)) for _ in range(4)]
+    mx.eval(pools)
+    out = ext.decoder_layers(run_, x, pools[:2], pools[2:], pos, *meta, tiled=True)
     assert out.shape == (1, 64)
+    with pytest.raises(ValueError, match="needs 3 weights"):
+        ext.decoder_run([with_(1, (w[:2], 0, 0))], **shape)
+    with pytest.raises(ValueError, match="does not serve this format"):
+        packed = [a for m in w for a in mx.quantize(m, group_size=32, bits=4)]
+        ext.decoder_run([with_(1, (packed, 32, 3))], **shape)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ext.decoder_run([with_(4, mx.ones((3,)))], **shape)
     with pytest.raises(ValueError, match="down"):
-        ext.decoder_rest(x, q, pages, pages, *meta, 0.25, True, ([w[0]], 0, 0), norm, 1e-6,
-                         mlp, ([mx.zeros((32, 128))], 0, 0))
+        ext.decoder_run([with_(8, ([mx.zeros((32, 128))], 0, 0))], **shape)
+    with pytest.raises(ValueError, match="float32 x"):
+        ext.decoder_layers(run_, x.astype(mx.float16), pools[:2], pools[2:], pos, *meta,
+                           tiled=True)
+    with pytest.raises(ValueError, match="a k and a v pool for each layer"):
+        ext.decoder_layers(run_, x, pools[:1], pools[2:3], pos, *meta, tiled=True)
+    with pytest.raises(ValueError, match="pools"):
+        ext.decoder_layers(run_, x, [pools[0], mx.zeros((4, 16, 1, 16))], pools[2:], pos, *meta,
+                           tiled=True)
     with pytest.raises(ValueError, match="int32"):
-        ext.decoder_rest(x, q, pages, pages, meta[0].astype(mx.float32), *meta[1:], 0.25, True,
-                         ([w[0]], 0, 0), norm, 1e-6, mlp, down)
+        ext.decoder_layers(run_, x, pools[:2], pools[2:], pos, meta[0].astype(mx.float32),
+                           *meta[1:], tiled=True)

@@ -105,36 +105,38 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.def("rms_norm", &tiny_llm::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "x * rsqrt(mean(x^2) + eps) * weight over the last axis, float32 on the CPU, one op.");
+  nb::class_<tiny_llm::DecoderRun>(
+      m, "DecoderRun",
+      "A run of consecutive decoder layers checked once for decoder_layers (decoder_run).");
   m.def(
-      "decoder_qkv",
-      [](const mx::array& x, const mx::array& norm_weight, const tiny_llm::ProjectionArrays& qkv,
-         const mx::array& positions, const mx::array& inv_freq, int n_heads, int n_kv_heads,
-         float eps, int rope_dims, bool rope_traditional, float rope_scale,
-         const std::vector<mx::array>& qkv_biases, const std::vector<mx::array>& qk_norms,
-         float qk_eps, bool int8, mx::StreamOrDevice s) {
-        return tiny_llm::decoder_qkv(x, norm_weight, qkv, positions, inv_freq, qkv_biases,
-                                     qk_norms,
-                                     {n_heads, n_kv_heads, eps, rope_dims, rope_traditional,
-                                      rope_scale, qk_eps, int8},
-                                     s);
+      "decoder_run",
+      [](const std::vector<tiny_llm::DecoderLayerArrays>& layers, int n_heads, int n_kv_heads,
+         int head_dim, float eps, float post_eps, int rope_dims, bool rope_traditional,
+         float rope_scale, float qk_eps, float scale) {
+        return tiny_llm::decoder_run(layers, {n_heads, n_kv_heads, head_dim, eps, post_eps,
+                                              rope_dims, rope_traditional, rope_scale, qk_eps,
+                                              scale});
       },
-      "x"_a, "norm_weight"_a, "qkv"_a, "positions"_a, "inv_freq"_a, nb::kw_only(),
-      "n_heads"_a, "n_kv_heads"_a, "eps"_a, "rope_dims"_a, "rope_traditional"_a,
-      "rope_scale"_a, "qkv_biases"_a = std::vector<mx::array>{},
-      "qk_norms"_a = std::vector<mx::array>{}, "qk_eps"_a = 0.0f, "int8"_a = false,
-      "stream"_a = nb::none(),
-      "A decoder layer's rotated q [T, Hq, D] and k, v [T, Hkv, D] for decode rows x [T, dim] "
-      "in one op: rms_norm, the projections qkv = (arrays, group_size, bits) (bits 0: float32 "
-      "weights [w_q, w_k, w_v]; else [w, scales, biases] of each), their biases, the per-head "
-      "norms (q_norm, k_norm) and RoPE, bit for bit those ops one by one (float32, CPU).");
-  m.def("decoder_rest", &tiny_llm::decoder_rest, "h"_a, "q"_a, "k_pages"_a, "v_pages"_a,
-        "block_table"_a, "context_lens"_a, "query_start_loc"_a, "scale"_a, "tiled"_a,
-        "o_proj"_a, "post_norm"_a, "eps"_a, "gate_up"_a, "down"_a, nb::kw_only(),
-        "int8"_a = false, "stream"_a = nb::none(),
-        "The rest of a decoder layer for decode rows in one op: paged attention of q over the "
-        "pages (the step's K/V already written), o_proj, the residual, rms_norm, the SwiGLU "
-        "MLP (gate_up: two projections, down: one, as decoder_qkv's) and its residual; bit "
-        "for bit those ops one by one (float32, CPU).");
+      "layers"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "eps"_a,
+      "post_eps"_a, "rope_dims"_a, "rope_traditional"_a, "rope_scale"_a, "qk_eps"_a = 0.0f,
+      "scale"_a,
+      "Consecutive decoder layers for decoder_layers, checked once: each layer (input_norm, "
+      "qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up, down), each "
+      "projection argument (arrays, group_size, bits): bits 0 for float32 weights [w...], "
+      "else [w, scales, biases] of each.");
+  m.def("decoder_layers", &tiny_llm::decoder_layers, "run"_a, "x"_a, "k_pools"_a, "v_pools"_a,
+        "positions"_a, "slot_mapping"_a, "block_table"_a, "context_lens"_a,
+        "query_start_loc"_a, nb::kw_only(), "tiled"_a, "int8"_a = false,
+        "stream"_a = nb::none(),
+        "The run's layers for decode rows x [T, dim] in one op (float32, CPU): per layer "
+        "rms_norm, the q/k/v projections, their biases, the per-head norms and RoPE; its K/V "
+        "rows written into its pools at slot_mapping, in place; paged attention, o_proj, the "
+        "residual, rms_norm, the SwiGLU MLP and its residual; bit for bit those ops one by "
+        "one. The pools must be held by nothing else (donatable).");
+  m.def(
+      "donatable", [](const mx::array& a) { return a.is_donatable(); }, "a"_a,
+      "Whether nothing but this array holds its buffer (MLX's is_donatable): no other array, "
+      "view or graph node; an op may then write it in place.");
   m.def("pool_copies", &tiny_llm::pool_copies,
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,

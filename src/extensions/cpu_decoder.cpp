@@ -1,6 +1,7 @@
-// A decode step's decoder layer in two calls (see cpu_decoder.h).
+// A decode step's decoder layers in one call (see cpu_decoder.h).
 #include "cpu_decoder.h"
 
+#include <cstring>
 #include <vector>
 
 #include "cpu_linear.h"
@@ -87,6 +88,32 @@ void decoder_rest_cpu(const float* h, const float* q, const float* k_pages, cons
   swiglu_cpu(gate, up, gate, T, inter);  // elementwise: in place is safe
   project(gate, down, {proj_out}, T, inter);
   for (int64_t i = 0; i < T * dim; ++i) out[i] += proj_out[i];  // + the MLP
+}
+
+void decoder_layers_cpu(const float* x, const std::vector<DecoderLayer>& layers,
+                        const DecoderStep& step, float* out, const DecoderQkvShape& qkv,
+                        const DecoderRestShape& rest) {
+  const int64_t T = qkv.rows, D = qkv.head_dim;
+  const int64_t nq = qkv.n_heads * D, nkv = qkv.n_kv_heads * D;
+  // Not scratch(): decoder_qkv_cpu and decoder_rest_cpu use it for their own rows.
+  std::vector<float> rows(T * (nq + 2 * nkv));
+  float *q = rows.data(), *k = q + T * nq, *v = k + T * nkv;
+  std::memcpy(out, x, sizeof(float) * T * qkv.dim);
+  for (const DecoderLayer& layer : layers) {
+    // The layer reads its input from `out` and writes its output there: decoder_rest_cpu
+    // reads each element of h before it writes that element of out.
+    decoder_qkv_cpu(out, layer.input_norm, layer.qkv, layer.qkv_biases, layer.q_norm,
+                    layer.k_norm, step.positions, layer.inv_freq, q, k, v, qkv);
+    for (int64_t t = 0; t < T; ++t) {  // paged_kv_write's copies: row t to its slot
+      std::memcpy(layer.k_pages + step.slots[t] * nkv, k + t * nkv, sizeof(float) * nkv);
+      std::memcpy(layer.v_pages + step.slots[t] * nkv, v + t * nkv, sizeof(float) * nkv);
+    }
+    DecoderRestShape shape = rest;
+    shape.intermediate = layer.gate_up.rows[0];
+    decoder_rest_cpu(out, q, layer.k_pages, layer.v_pages, step.tables, step.context_lens,
+                     step.query_start_loc, layer.o_proj, layer.post_norm, layer.gate_up,
+                     layer.down, out, shape);
+  }
 }
 
 }  // namespace tiny_llm

@@ -1,20 +1,21 @@
-// A decoder layer of a decode step in two calls on the CPU (tiny_llm/cpu_fused.py).
+// A decode step's decoder layers in one call on the CPU (tiny_llm/cpu_fused.py).
 //
 // Op by op, one layer of a decode step is about sixteen MLX ops (two norms, the
 // projections, RoPE, the K/V write, attention, SwiGLU, two residual additions, reshapes),
 // each built by Python and scheduled by MLX: for a one-row step of a small model those
-// costs add up to a third of the step. Here the layer is two ops around the K/V write:
+// costs add up to a third of the step. Here a run of layers is one op; each layer is
 //
-//   decoder_qkv:  rms_norm, the q/k/v projections (+ their biases), the per-head q/k norms,
-//                 RoPE                                          -> q, k, v
-//   (paged_kv_write of k and v, in place, as op by op)
-//   decoder_rest: paged attention, o_proj, + residual, rms_norm, gate/up, SwiGLU, down,
-//                 + residual                                     -> the layer's output
+//   decoder_qkv_cpu:  rms_norm, the q/k/v projections (+ their biases), the per-head q/k
+//                     norms, RoPE                                     -> q, k, v
+//   the K/V write:    k and v into the layer's pages at the step's slots, in place
+//   decoder_rest_cpu: paged attention, o_proj, + residual, rms_norm, gate/up, SwiGLU, down,
+//                     + residual                                      -> the layer's output
 //
 // Each step calls the very functions the ops call (rms_norm_cpu, linear_cpu or
-// quantized_linear_cpu, rope_cpu, paged_attention_cpu, swiglu_cpu) on the same inputs, and
-// the additions are the same float additions, so the output is bit for bit the op-by-op
-// layer's: batch invariance and every oracle of the op path carry over.
+// quantized_linear_cpu, rope_cpu, paged_attention_cpu, swiglu_cpu) on the same inputs, the
+// write copies the same rows as paged_kv_write, and the additions are the same float
+// additions, so the output is bit for bit the op-by-op layers': batch invariance and every
+// oracle of the op path carry over.
 #pragma once
 
 #include <cstdint>
@@ -69,5 +70,31 @@ void decoder_rest_cpu(const float* h, const float* q, const float* k_pages, cons
                       const int32_t* query_start_loc, const Projections& o_proj,
                       const float* post_norm, const Projections& gate_up,
                       const Projections& down, float* out, const DecoderRestShape& shape);
+
+// One layer of decoder_layers_cpu: its weights and its pools [P, page_size, Hkv, D].
+struct DecoderLayer {
+  const float* input_norm;
+  Projections qkv;
+  const float* qkv_biases[3];   // all null: no attention bias
+  const float *q_norm, *k_norm;  // null: no per-head norms
+  const float* inv_freq;
+  float *k_pages, *v_pages;
+  const float* post_norm;
+  Projections o_proj, gate_up, down;
+};
+
+// The step's rows per layer and where they go: positions, each row's pool slot, and the
+// attention's block tables, context lengths and query start locations.
+struct DecoderStep {
+  const int32_t *positions, *slots, *tables, *context_lens, *query_start_loc;
+};
+
+// out [T, dim]: x [T, dim] through the layers in order; each layer's k and v rows are
+// written into its pages at `slots` before its attention reads them (the pages change in
+// place). qkv.rows, rest.rows and rest.dim are T and dim; rest.intermediate is each
+// layer's gate_up rows.
+void decoder_layers_cpu(const float* x, const std::vector<DecoderLayer>& layers,
+                        const DecoderStep& step, float* out, const DecoderQkvShape& qkv,
+                        const DecoderRestShape& rest);
 
 }  // namespace tiny_llm

@@ -317,62 +317,57 @@ Projections read_projections(const std::vector<mx::array>& inputs, size_t& first
 
 }  // namespace
 
-void DecoderQkv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+void DecoderLayers::eval_cpu(const std::vector<mx::array>& inputs,
+                             std::vector<mx::array>& outputs) {
   auto& enc = begin_cpu_eval(stream(), inputs, outputs);
-  const auto x = row_major(inputs[0], enc);
-  const auto norm = row_major(inputs[1], enc);
-  const auto positions = row_major(inputs[2], enc);
-  const auto inv_freq = row_major(inputs[3], enc);
-  size_t next = 4;
-  Projections proj = read_projections(inputs, next, 3, group_, bits_, options_.int8, enc);
-  std::array<const float*, 3> biases{};
-  for (auto& b : biases)
-    if (biases_) b = row_major(inputs[next++], enc).data<float>();
-  const float* q_norm = qk_norms_ ? row_major(inputs[next++], enc).data<float>() : nullptr;
-  const float* k_norm = qk_norms_ ? row_major(inputs[next++], enc).data<float>() : nullptr;
+  auto data = [&](size_t i) { return row_major(inputs[i], enc).data<void>(); };
+  const auto* x = static_cast<const float*>(data(0));
+  const DecoderStep step{static_cast<const int32_t*>(data(1)), static_cast<const int32_t*>(data(2)),
+                         static_cast<const int32_t*>(data(3)), static_cast<const int32_t*>(data(4)),
+                         static_cast<const int32_t*>(data(5))};
   const auto& o = options_;
-  const DecoderQkvShape g{x.shape(0), x.shape(1), o.n_heads, o.n_kv_heads,
-                          static_cast<int>(outputs[0].shape(2)), o.eps, o.qk_eps, o.rope_dims,
-                          o.rope_traditional, o.rope_scale};
-  enc.dispatch([x = x.data<float>(), norm = norm.data<float>(), proj = std::move(proj), biases,
-                q_norm, k_norm, p = positions.data<int32_t>(), f = inv_freq.data<float>(),
-                q = outputs[0].data<float>(), k = outputs[1].data<float>(),
-                v = outputs[2].data<float>(), g]() {
-    decoder_qkv_cpu(x, norm, proj, biases.data(), q_norm, k_norm, p, f, q, k, v, g);
+  const size_t pools = 6, L = formats_.size();
+  std::vector<DecoderLayer> layers;
+  size_t next = pools + 2 * L;
+  for (size_t l = 0; l < L; ++l) {
+    const DecoderLayerFormat& f = formats_[l];
+    DecoderLayer layer{};
+    // Written in place: decoder_layers() took them row-contiguous, and its caller made
+    // sure that nothing else holds them.
+    layer.k_pages = const_cast<float*>(inputs[pools + 2 * l].data<float>());
+    layer.v_pages = const_cast<float*>(inputs[pools + 2 * l + 1].data<float>());
+    auto floats = [&] { return static_cast<const float*>(data(next++)); };
+    layer.input_norm = floats();
+    layer.inv_freq = floats();
+    layer.post_norm = floats();
+    const auto& [qkv, out_proj, gate_up, down] = f.projections;
+    layer.qkv = read_projections(inputs, next, 3, qkv.first, qkv.second, int8_, enc);
+    for (auto& b : layer.qkv_biases) b = f.biases ? floats() : nullptr;
+    layer.q_norm = f.qk_norms ? floats() : nullptr;
+    layer.k_norm = f.qk_norms ? floats() : nullptr;
+    layer.o_proj = read_projections(inputs, next, 1, out_proj.first, out_proj.second, int8_, enc);
+    layer.gate_up = read_projections(inputs, next, 2, gate_up.first, gate_up.second, int8_, enc);
+    layer.down = read_projections(inputs, next, 1, down.first, down.second, int8_, enc);
+    layers.push_back(std::move(layer));
+  }
+  const auto &x_in = inputs[0], &k_pool = inputs[pools];
+  const DecoderQkvShape qkv_shape{x_in.shape(0), x_in.shape(1), o.n_heads, o.n_kv_heads,
+                                  o.head_dim, o.eps, o.qk_eps, o.rope_dims,
+                                  o.rope_traditional, o.rope_scale};
+  const CpuAttentionShape attention{static_cast<int>(inputs[4].shape(0)),
+                                    static_cast<int>(inputs[3].shape(1)), o.n_heads,
+                                    o.n_kv_heads, o.head_dim,
+                                    static_cast<int>(k_pool.shape(1)), o.scale,
+                                    tiled_ ? kCpuQueryTile : 1};
+  const DecoderRestShape rest_shape{x_in.shape(0), x_in.shape(1), 0, o.post_eps, attention};
+  enc.dispatch([x, layers = std::move(layers), step, out = outputs[0].data<float>(), qkv_shape,
+                rest_shape]() {
+    decoder_layers_cpu(x, layers, step, out, qkv_shape, rest_shape);
   });
 }
 
-void DecoderQkv::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("DecoderQkv: GPU streams run the model op by op");
-}
-
-void DecoderRest::eval_cpu(const std::vector<mx::array>& inputs,
-                           std::vector<mx::array>& outputs) {
-  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
-  std::vector<mx::array> in;
-  for (size_t i = 0; i < 8; ++i) in.push_back(row_major(inputs[i], enc));
-  const auto &h = in[0], &q = in[1], &k = in[2];
-  size_t next = 8;
-  Projections o_proj = read_projections(inputs, next, 1, formats_[0].first, formats_[0].second,
-                                        int8_, enc);
-  Projections gate_up = read_projections(inputs, next, 2, formats_[1].first,
-                                         formats_[1].second, int8_, enc);
-  Projections down = read_projections(inputs, next, 1, formats_[2].first, formats_[2].second,
-                                      int8_, enc);
-  const DecoderRestShape g{h.shape(0), h.shape(1), gate_up.rows[0], eps_,
-                           attention_shape(q, k, in[4], in[5], scale_, tiled_)};
-  enc.dispatch([h = h.data<float>(), q = q.data<float>(), k = k.data<float>(),
-                v = in[3].data<float>(), table = in[4].data<int32_t>(),
-                ctx = in[5].data<int32_t>(), qsl = in[6].data<int32_t>(),
-                post = in[7].data<float>(), o_proj = std::move(o_proj),
-                gate_up = std::move(gate_up), down = std::move(down),
-                out = outputs[0].data<float>(), g]() {
-    decoder_rest_cpu(h, q, k, v, table, ctx, qsl, o_proj, post, gate_up, down, out, g);
-  });
-}
-
-void DecoderRest::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("DecoderRest: GPU streams run the model op by op");
+void DecoderLayers::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DecoderLayers: GPU streams run the model op by op");
 }
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {
@@ -580,86 +575,98 @@ bool is_vector(const mx::array& a, int64_t n) {
 
 }  // namespace
 
-std::vector<mx::array> decoder_qkv(const mx::array& x, const mx::array& norm_weight,
-                                   const ProjectionArrays& qkv, const mx::array& positions,
-                                   const mx::array& inv_freq,
-                                   const std::vector<mx::array>& qkv_biases,
-                                   const std::vector<mx::array>& qk_norms,
-                                   const DecoderQkvOptions& o, mx::StreamOrDevice s) {
-  check(x.ndim() == 2 && x.dtype() == mx::float32, "decoder_qkv needs float32 x [T, dim]");
-  const int64_t T = x.shape(0), dim = x.shape(1);
-  check(is_vector(norm_weight, dim), "decoder_qkv needs a float32 norm weight [dim]");
-  std::vector<mx::array> inputs{x, norm_weight, positions, inv_freq};
-  const auto rows = add_projections(qkv, 3, dim, o.int8, inputs, "decoder_qkv's q/k/v");
-  check(o.n_heads > 0 && o.n_kv_heads > 0 && rows[0] % o.n_heads == 0 &&
-            rows[1] == rows[2] && rows[0] / o.n_heads * o.n_kv_heads == rows[1],
-        "decoder_qkv: q [n_heads * D] and k, v [n_kv_heads * D] projections");
-  const int D = static_cast<int>(rows[0] / o.n_heads);
-  check(positions.dtype() == mx::int32 && positions.ndim() == 1 && positions.shape(0) == T,
-        "decoder_qkv needs int32 positions [T]");
-  check(o.rope_dims > 0 && o.rope_dims % 2 == 0 && o.rope_dims <= D &&
-            is_vector(inv_freq, o.rope_dims / 2),
-        "decoder_qkv needs even rope dims <= head_dim and float32 inv_freq [dims / 2]");
-  check(qkv_biases.empty() || (qkv_biases.size() == 3 && is_vector(qkv_biases[0], rows[0]) &&
-                               is_vector(qkv_biases[1], rows[1]) &&
-                               is_vector(qkv_biases[2], rows[2])),
-        "decoder_qkv's biases: none, or float32 q, k and v biases");
-  check(qk_norms.empty() ||
-            (qk_norms.size() == 2 && is_vector(qk_norms[0], D) && is_vector(qk_norms[1], D)),
-        "decoder_qkv's head norms: none, or float32 q and k norm weights [head_dim]");
-  inputs.insert(inputs.end(), qkv_biases.begin(), qkv_biases.end());
-  inputs.insert(inputs.end(), qk_norms.begin(), qk_norms.end());
-  auto stream = mx::to_stream(s);
-  check(stream.device == mx::Device::cpu, "decoder_qkv runs on CPU streams only");
-  const auto& [arrays, group, bits] = qkv;
-  const int H = o.n_heads, Hkv = o.n_kv_heads;
-  return mx::array::make_arrays(
-      {{static_cast<int>(T), H, D}, {static_cast<int>(T), Hkv, D}, {static_cast<int>(T), Hkv, D}},
-      {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecoderQkv>(stream, o, group, bits, !qkv_biases.empty(),
-                                   !qk_norms.empty()),
-      inputs);
+DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
+                       const DecoderLayersOptions& o) {
+  check(!layers.empty(), "decoder_run needs one or more layers");
+  const int D = o.head_dim;
+  check(o.n_heads > 0 && o.n_kv_heads > 0 && o.n_heads % o.n_kv_heads == 0 && D > 0,
+        "decoder_run: n_heads must be a multiple of n_kv_heads, head_dim positive");
+  check(o.rope_dims > 0 && o.rope_dims % 2 == 0 && o.rope_dims <= D,
+        "decoder_run needs even rope dims <= head_dim");
+  DecoderRun run{{}, {}, o, std::get<0>(layers[0]).size()};
+  const int64_t dim = run.dim;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& [in_norm, qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up,
+                 down] = layers[l];
+    const std::string layer = "decoder_run's layer " + std::to_string(l);
+    check(is_vector(in_norm, dim) && is_vector(post_norm, dim),
+          layer + " needs float32 norm weights [dim], one dim for every layer");
+    check(is_vector(inv_freq, o.rope_dims / 2), layer + " needs float32 inv_freq [dims / 2]");
+    auto& inputs = run.weights;
+    inputs.insert(inputs.end(), {in_norm, inv_freq, post_norm});
+    // int8 is each call's: decoder_layers checks that it serves the formats.
+    const auto rows = add_projections(qkv, 3, dim, false, inputs, layer + "'s q/k/v");
+    check(rows[0] == o.n_heads * D && rows[1] == o.n_kv_heads * D && rows[2] == rows[1],
+          layer + ": q [n_heads * D] and k, v [n_kv_heads * D] projections");
+    check(qkv_biases.empty() || (qkv_biases.size() == 3 && is_vector(qkv_biases[0], rows[0]) &&
+                                 is_vector(qkv_biases[1], rows[1]) &&
+                                 is_vector(qkv_biases[2], rows[2])),
+          layer + "'s biases: none, or float32 q, k and v biases");
+    check(qk_norms.empty() ||
+              (qk_norms.size() == 2 && is_vector(qk_norms[0], D) && is_vector(qk_norms[1], D)),
+          layer + "'s head norms: none, or float32 q and k norm weights [head_dim]");
+    inputs.insert(inputs.end(), qkv_biases.begin(), qkv_biases.end());
+    inputs.insert(inputs.end(), qk_norms.begin(), qk_norms.end());
+    const auto o_rows = add_projections(o_proj, 1, rows[0], false, inputs, layer + "'s o_proj");
+    const auto mlp_rows = add_projections(gate_up, 2, dim, false, inputs, layer + "'s gate/up");
+    check(o_rows[0] == dim && mlp_rows[0] == mlp_rows[1],
+          layer + ": o_proj [dim, n_heads * D], gate and up of one size");
+    const auto down_rows = add_projections(down, 1, mlp_rows[0], false, inputs,
+                                           layer + "'s down");
+    check(down_rows[0] == dim, layer + ": down [dim, intermediate]");
+    auto format = [](const ProjectionArrays& p) {
+      return std::pair<int, int>{std::get<1>(p), std::get<2>(p)};
+    };
+    run.formats.push_back({{format(qkv), format(o_proj), format(gate_up), format(down)},
+                           !qkv_biases.empty(), !qk_norms.empty()});
+  }
+  return run;
 }
 
-mx::array decoder_rest(const mx::array& h, const mx::array& q, const mx::array& k_pages,
-                       const mx::array& v_pages, const mx::array& block_table,
-                       const mx::array& context_lens, const mx::array& query_start_loc,
-                       float scale, bool tiled, const ProjectionArrays& o_proj,
-                       const mx::array& post_norm, float eps, const ProjectionArrays& gate_up,
-                       const ProjectionArrays& down, bool int8, mx::StreamOrDevice s) {
-  check(h.ndim() == 2 && h.dtype() == mx::float32, "decoder_rest needs float32 h [T, dim]");
-  check(q.ndim() == 3 && q.shape(0) == h.shape(0) && q.dtype() == mx::float32 &&
-            k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape() &&
-            k_pages.dtype() == mx::float32 && v_pages.dtype() == mx::float32 &&
-            q.shape(2) == k_pages.shape(3) && q.shape(1) % k_pages.shape(2) == 0,
-        "decoder_rest needs float32 q [T, Hq, D] and pages [P, page_size, Hkv, D]");
-  check(block_table.dtype() == mx::int32 && context_lens.dtype() == mx::int32 &&
-            query_start_loc.dtype() == mx::int32,
-        "block_table, context_lens and query_start_loc must be int32");
-  const int64_t dim = h.shape(1);
-  check(is_vector(post_norm, dim), "decoder_rest needs a float32 norm weight [dim]");
-  std::vector<mx::array> inputs{h, q, k_pages, v_pages, block_table, context_lens,
-                                query_start_loc, post_norm};
-  const auto o_rows = add_projections(o_proj, 1, q.shape(1) * q.shape(2), int8, inputs,
-                                      "decoder_rest's o_proj");
-  const auto mlp_rows = add_projections(gate_up, 2, dim, int8, inputs, "decoder_rest's gate/up");
-  check(o_rows[0] == dim && mlp_rows[0] == mlp_rows[1],
-        "decoder_rest: o_proj [dim, Hq * D], gate and up of one size");
-  const auto down_rows = add_projections(down, 1, mlp_rows[0], int8, inputs,
-                                         "decoder_rest's down");
-  check(down_rows[0] == dim, "decoder_rest: down [dim, intermediate]");
+mx::array decoder_layers(const DecoderRun& run, const mx::array& x,
+                         const std::vector<mx::array>& k_pools,
+                         const std::vector<mx::array>& v_pools, const mx::array& positions,
+                         const mx::array& slot_mapping, const mx::array& block_table,
+                         const mx::array& context_lens, const mx::array& query_start_loc,
+                         bool tiled, bool int8, mx::StreamOrDevice s) {
+  const auto& o = run.options;
+  check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) == run.dim,
+        "decoder_layers needs float32 x [T, dim] of the run's dim");
+  const int64_t T = x.shape(0);
+  for (const auto& meta : {positions, slot_mapping, context_lens, query_start_loc})
+    check(meta.dtype() == mx::int32 && meta.ndim() == 1,
+          "positions, slot_mapping, context_lens and query_start_loc must be int32 vectors");
+  check(positions.shape(0) == T && slot_mapping.shape(0) == T,
+        "decoder_layers needs a position and a slot for each row");
+  check(block_table.dtype() == mx::int32 && block_table.ndim() == 2 &&
+            block_table.shape(0) == context_lens.shape(0) &&
+            query_start_loc.shape(0) == context_lens.shape(0) + 1,
+        "decoder_layers needs an int32 block table [B, max_pages] and B + 1 query starts");
+  check(k_pools.size() == run.formats.size() && v_pools.size() == run.formats.size(),
+        "decoder_layers needs a k and a v pool for each layer of the run");
+  std::vector<mx::array> inputs{x, positions, slot_mapping, block_table, context_lens,
+                                query_start_loc};
+  for (size_t l = 0; l < k_pools.size(); ++l) {
+    const auto &k = k_pools[l], &v = v_pools[l];
+    check(k.ndim() == 4 && v.shape() == k.shape() && k.shape() == k_pools[0].shape() &&
+              k.dtype() == mx::float32 && v.dtype() == mx::float32 &&
+              k.shape(2) == o.n_kv_heads && k.shape(3) == o.head_dim && k.is_available() &&
+              v.is_available() && k.flags().row_contiguous && v.flags().row_contiguous &&
+              k.id() != v.id(),
+          "decoder_layers needs evaluated, row-contiguous float32 pools [P, page_size, "
+          "n_kv_heads, head_dim], two for each layer");
+    inputs.insert(inputs.end(), {k, v});
+  }
+  if (int8)
+    for (const auto& f : run.formats)
+      for (const auto& [group, bits] : f.projections)
+        check(bits == 0 || int8_kernel_serves({group, bits}),
+              "decoder_layers(int8=True): int8 does not serve this format");
   auto stream = mx::to_stream(s);
-  check(stream.device == mx::Device::cpu, "decoder_rest runs on CPU streams only");
-  auto format = [](const ProjectionArrays& p) {
-    return std::pair<int, int>{std::get<1>(p), std::get<2>(p)};
-  };
-  return mx::array(h.shape(), mx::float32,
-                   std::make_shared<DecoderRest>(
-                       stream, scale, tiled, eps,
-                       std::array<std::pair<int, int>, 3>{format(o_proj), format(gate_up),
-                                                          format(down)},
-                       int8),
-                   inputs);
+  check(stream.device == mx::Device::cpu, "decoder_layers runs on CPU streams only");
+  inputs.insert(inputs.end(), run.weights.begin(), run.weights.end());
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<DecoderLayers>(stream, o, run.formats, tiled, int8), inputs);
 }
 
 }  // namespace tiny_llm

@@ -24,9 +24,10 @@
 //   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
 //   rms_norm(x [..., D], weight [D], eps) -> x normalised over its last axis, float32 on a
 //       CPU stream (cpu_layers.h).
-//   decoder_qkv(x, ...) -> (q, k, v) and decoder_rest(h, q, pages, ...) -> the layer's
-//       output: a decoder layer of decode rows in two ops around paged_kv_write, bit for
-//       bit the ops above in the op path's order, float32 on a CPU stream (cpu_decoder.h).
+//   decoder_layers(decoder_run(layers, ...), x, k_pools, v_pools, positions, slot_mapping,
+//       block_table, ...) -> the output of a run of decoder layers for decode rows in one
+//       op, each layer's K/V rows written into its pools in place: bit for bit the ops
+//       above in the op path's order, float32 on a CPU stream (cpu_decoder.h).
 //
 // Metadata is validated by the Python wrapper (tiny_llm/day4_paged_attention.py) before
 // any kernel runs; these ops check only shapes and dtypes.
@@ -86,30 +87,55 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
 // group size and the bit width.
 using ProjectionArrays = std::tuple<std::vector<mx::array>, int, int>;
 
-// The rotation and norms of decoder_qkv, as the model's layers hold them.
-struct DecoderQkvOptions {
-  int n_heads, n_kv_heads;
-  float eps;
+// One decoder layer's weights as the Python side hands them over: the input norm's weight,
+// the q/k/v projections, their biases (none, or q's, k's and v's), the per-head norms
+// (none, or q's and k's), RoPE's inv_freq, the post-attention norm's weight, o_proj,
+// gate/up and down.
+using DecoderLayerArrays =
+    std::tuple<mx::array, ProjectionArrays, std::vector<mx::array>, std::vector<mx::array>,
+               mx::array, mx::array, ProjectionArrays, ProjectionArrays, ProjectionArrays>;
+
+// What the layers of one run share, as the model's layers hold it.
+struct DecoderLayersOptions {
+  int n_heads, n_kv_heads, head_dim;
+  float eps, post_eps;  // the input and post-attention norms'
   int rope_dims;
   bool rope_traditional;
   float rope_scale;
-  float qk_eps;  // the per-head norms' eps (when q_norm and k_norm are given)
-  bool int8;
+  float qk_eps;  // the per-head norms' eps (when the layers have them)
+  float scale;   // attention's
 };
 
-std::vector<mx::array> decoder_qkv(const mx::array& x, const mx::array& norm_weight,
-                                   const ProjectionArrays& qkv, const mx::array& positions,
-                                   const mx::array& inv_freq,
-                                   const std::vector<mx::array>& qkv_biases,
-                                   const std::vector<mx::array>& qk_norms,
-                                   const DecoderQkvOptions& options, mx::StreamOrDevice s = {});
+// What decoder_layers reads of each layer beyond its arrays: the (group, bits) of its
+// q/k/v, o, gate/up and down projections, and whether it has q/k/v biases and head norms.
+struct DecoderLayerFormat {
+  std::array<std::pair<int, int>, 4> projections;
+  bool biases, qk_norms;
+};
 
-mx::array decoder_rest(const mx::array& h, const mx::array& q, const mx::array& k_pages,
-                       const mx::array& v_pages, const mx::array& block_table,
-                       const mx::array& context_lens, const mx::array& query_start_loc,
-                       float scale, bool tiled, const ProjectionArrays& o_proj,
-                       const mx::array& post_norm, float eps, const ProjectionArrays& gate_up,
-                       const ProjectionArrays& down, bool int8, mx::StreamOrDevice s = {});
+// A run of consecutive decoder layers, checked once: their weights in the order the op
+// reads them (per layer: input norm, inv_freq, post norm, the arrays of q/k/v, the biases
+// and head norms where it has them, the arrays of o_proj, gate/up and down).
+struct DecoderRun {
+  std::vector<mx::array> weights;
+  std::vector<DecoderLayerFormat> formats;
+  DecoderLayersOptions options;
+  int64_t dim;
+};
+
+DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
+                       const DecoderLayersOptions& options);
+
+// The run's output for decode rows x [T, dim]; layer i's K/V rows are written in place into
+// k_pools[i] and v_pools[i], float32 [P, page_size, n_kv_heads, head_dim] and row-contiguous,
+// which nothing else may hold (the caller checks that with MLX's is_donatable). tiled and
+// int8 as paged_attention's and quantized_linear's.
+mx::array decoder_layers(const DecoderRun& run, const mx::array& x,
+                         const std::vector<mx::array>& k_pools,
+                         const std::vector<mx::array>& v_pools, const mx::array& positions,
+                         const mx::array& slot_mapping, const mx::array& block_table,
+                         const mx::array& context_lens, const mx::array& query_start_loc,
+                         bool tiled, bool int8, mx::StreamOrDevice s = {});
 
 // How many times paged_kv_write had to copy a pool because it was not donatable
 // (another reference was alive). The engine keeps this at 0; tests and benches read it.
@@ -213,43 +239,23 @@ class RmsNorm : public mx::Primitive {
   float eps_;
 };
 
-// Inputs: x, norm weight, positions, inv_freq, the q/k/v projections' arrays, then the
-// three biases and the two head norms where the layer has them. Outputs: q, k, v.
-class DecoderQkv : public mx::Primitive {
+// Inputs: x, positions, slot_mapping, block_table, context_lens, query_start_loc, each
+// layer's k and v pools, then the run's weights. Output: the last layer's. The pools are
+// written in place.
+class DecoderLayers : public mx::Primitive {
  public:
-  DecoderQkv(mx::Stream stream, DecoderQkvOptions options, int group, int bits, bool biases,
-             bool qk_norms)
-      : mx::Primitive(stream), options_(options), group_(group), bits_(bits), biases_(biases),
-        qk_norms_(qk_norms) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "DecoderQkv"; }
-
- private:
-  DecoderQkvOptions options_;
-  int group_, bits_;
-  bool biases_, qk_norms_;
-};
-
-// Inputs: h, q, k_pages, v_pages, block_table, context_lens, query_start_loc, the post-
-// attention norm's weight, then the arrays of o_proj, gate/up and down. Output: the layer's.
-class DecoderRest : public mx::Primitive {
- public:
-  // formats: (group, bits) of o_proj, gate/up and down
-  DecoderRest(mx::Stream stream, float scale, bool tiled, float eps,
-              std::array<std::pair<int, int>, 3> formats, bool int8)
-      : mx::Primitive(stream), scale_(scale), tiled_(tiled), eps_(eps), formats_(formats),
+  DecoderLayers(mx::Stream stream, DecoderLayersOptions options,
+                std::vector<DecoderLayerFormat> formats, bool tiled, bool int8)
+      : mx::Primitive(stream), options_(options), formats_(std::move(formats)), tiled_(tiled),
         int8_(int8) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "DecoderRest"; }
+  const char* name() const override { return "DecoderLayers"; }
 
  private:
-  float scale_;
-  bool tiled_;
-  float eps_;
-  std::array<std::pair<int, int>, 3> formats_;
-  bool int8_;
+  DecoderLayersOptions options_;
+  std::vector<DecoderLayerFormat> formats_;
+  bool tiled_, int8_;
 };
 
 }  // namespace tiny_llm

@@ -95,7 +95,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         default=None, help="on a CPU, run the model on MLX's ops alone")
     engine.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                         default=None, help="on a CPU, run decode steps' layers op by op (the same "
-                        "tokens, slower) instead of two fused ops each")
+                        "tokens, slower) instead of one fused op for each run of dense layers")
     engine.add_argument("--int8-activations", dest="int8_activations", action="store_true",
                         default=None, help="with --quantized: decode rows of quantized layers "
                         "in int8 (faster from a few requests; logits move by the rounding)")

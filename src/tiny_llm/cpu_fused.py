@@ -1,35 +1,48 @@
-"""A decoder layer of a decode step as two ops of the extension (``src/extensions/cpu_decoder.h``).
+"""A decode step's decoder layers as one op of the extension (``src/extensions/cpu_decoder.h``).
 
 Op by op, a layer is about sixteen MLX ops: two norms, the projections, RoPE, the K/V
 write, attention, SwiGLU, two residual additions and the reshapes between them. For a
 decode step of a small model each op computes little, and building the ops in Python and
 scheduling them in MLX cost about a fifth of a one-request step on the development machine
-(16.1 against 13.2 ms fused at 512 tokens of context, ``benches/bench_vs_llama_cpp.py``).
-Inside ``kernel_forward`` a step whose rows are all decode rows therefore runs each dense
-layer as
+(16.1 against 13.2 ms with two ops a layer at 512 tokens of context,
+``benches/bench_vs_llama_cpp.py``). Two ops a layer still left 120 ops a step for the
+default model, and Python and MLX then took about 1.5 ms to build them and another 1.5 ms
+of the main thread to schedule them, beside the two cores' kernels. Inside
+``kernel_forward`` a step whose rows are all decode rows therefore runs each run of
+consecutive dense layers as one op, ``decoder_layers``; per layer:
 
-- ``decoder_qkv``: the input norm, the q/k/v projections (and their biases), the per-head
-  q/k norms and RoPE, giving q, k and v;
-- the attention backend's K/V write (``write_pages``: in place, as op by op);
-- ``decoder_rest``: paged attention over those pages, o_proj, the residual, the post-attention
-  norm, the SwiGLU MLP and its residual.
+- the input norm, the q/k/v projections (and their biases), the per-head q/k norms and
+  RoPE;
+- the K/V write: the step's rows into the layer's pages, in place;
+- paged attention over those pages, o_proj, the residual, the post-attention norm, the
+  SwiGLU MLP and its residual.
 
-Both ops call the functions that the op path's kernels call, on the same inputs in the same
-order, and add as its additions do, so the layer's output is the op path's bit for bit (the
-tests compare them): batch invariance and every oracle of the op path hold as they were.
+The op calls the functions that the op path's kernels call, on the same inputs in the same
+order, and adds as its additions do, so each layer's output is the op path's bit for bit
+(the tests compare them): batch invariance and every oracle of the op path hold as they
+were.
 
-The fused layer serves what those kernels serve: float32 on a CPU stream with the reference
+The pages are written in place only when nothing but the KV pool holds them (no other
+Python reference, view or pending graph: MLX's donation rule, ``donatable``), as op by op
+``paged_kv_write`` writes in place only a pool it may donate; otherwise the step runs op by
+op, whose write copies the pool and leaves the holder's array as it was. What the op takes
+of each layer (its arrays and how they are laid out) is worked out once and reused while
+the layer's modules and arrays stay the same objects.
+
+The fused layers serve what those kernels serve: float32 on a CPU stream with the reference
 extension (a learner's kernels run op by op: they are what the course tests), projections
 that are all ``Linear`` or all ``QuantizedLinear`` of one served format within each call
 (q/k/v, o, gate/up, down), no biases but q/k/v's, a dense MLP, and an attention backend that
 writes the extension's pages and attends with its kernels (Day 4's and Day 5's kernel
-backends offer ``write_pages``). Anything else, and every step with prefill rows, runs op
-by op.
+backends offer ``write_pages``). MoE layers run op by op between runs of fused ones;
+anything else, and every step with prefill rows, runs op by op.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+import sys
+from typing import Any, NamedTuple
 
 from tiny_llm.cpu_kernels import Linear, QuantizedLinear, fused_step, kernel_reads_scales, native
 from tiny_llm.extension import extension
@@ -41,17 +54,114 @@ import mlx.nn as nn
 fused_layers_run = 0
 
 
-def fused_decoder_layer(block: nn.Module, x: mx.array, positions: mx.array,
-                        cache: Any) -> mx.array | None:
-    """``block(x, positions, cache)`` as two fused ops, or None where they do not serve it
-    (then the caller runs the layer op by op)."""
+class _LayerOp(NamedTuple):
+    """A layer as decoder_run takes it (``arrays``), its pools' index (``layer``) and what
+    the layers of one run must share (``shared``)."""
+
+    arrays: tuple[Any, ...]
+    layer: int
+    shared: tuple[Any, ...]
+
+
+def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.array,
+                         cache: Any) -> mx.array | None:
+    """``x`` through ``blocks`` (the model's decoder layers, in order) with each run of
+    consecutive layers the fused op serves as one op and the others op by op, or None when
+    the step is not one it serves (then the caller runs every layer op by op)."""
     step = fused_step()
-    write_pages = getattr(cache, "write_pages", None)
-    if (step is None or write_pages is None or x.ndim != 2 or x.shape[0] > step[0]
-            or x.dtype != mx.float32 or extension() is not native()):
+    if (step is None or getattr(cache, "write_pages", None) is None or x.ndim != 2
+            or x.shape[0] > step[0] or x.dtype != mx.float32 or extension() is not native()):
         return None
-    # Children as dict items: block.self_attn would go through nn.Module.__getattr__
-    # (Python) for each of the dozens of reads a layer makes.
+    ops = [_layer_op(block) for block in blocks]
+    if not any(ops) or not _pools_held_by_cache_only(cache.pool):
+        return None
+    if positions.dtype != mx.int32:
+        positions = positions.astype(mx.int32)
+    ext, pool = native(), cache.pool
+    step_rows = (cache.step.kv["slot_mapping"], *cache.page_metadata())  # every run's
+    global fused_layers_run
+    first = 0
+    while first < len(blocks):
+        if ops[first] is None:
+            x = blocks[first](x, positions, cache)
+            first += 1
+            continue
+        last = first + 1
+        while last < len(blocks) and ops[last] is not None and (
+                ops[last].shared == ops[first].shared):
+            last += 1
+        run = _decoder_run(blocks[first], ops[first:last])
+        layers = [op.layer for op in ops[first:last]]
+        x = ext.decoder_layers(run, x, [pool.k[i] for i in layers], [pool.v[i] for i in layers],
+                               positions, *step_rows, tiled=cache.tiled, int8=step[1])
+        fused_layers_run += last - first
+        first = last
+    return x
+
+
+def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
+    """The extension's checked run of these layer ops, kept on the run's first block."""
+    cached = first.__dict__.get("_fused_run")
+    if cached is not None and len(cached[0]) == len(ops) and all(
+            map(operator.is_, cached[0], ops)):
+        return cached[1]
+    n_heads, n_kv_heads, head_dim, eps, post_eps, rope_dims, traditional, rope_scale, qk_eps, \
+        scale = ops[0].shared
+    run = native().decoder_run(
+        [op.arrays for op in ops], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        eps=eps, post_eps=post_eps, rope_dims=rope_dims, rope_traditional=traditional,
+        rope_scale=rope_scale, qk_eps=qk_eps, scale=scale)
+    object.__setattr__(first, "_fused_run", (ops, run))  # see _layer_op
+    return run
+
+
+def _pools_held_by_cache_only(pool: Any) -> bool:
+    """Whether the decoder op may write every layer's pages in place: each pool array is
+    referenced only by the pool's lists (Python) and holds the only reference to its buffer
+    (MLX: no view, no graph node)."""
+    arrays = pool.k + pool.v  # each array in two lists: the pool's and this one
+    refs = [sys.getrefcount(a) for a in arrays]
+    ext = native()
+    return all(r == _IN_ONE_LIST + 1 for r in refs) and all(map(ext.donatable, arrays))
+
+
+def _refs_of_an_object_in_one_list() -> int:
+    items = [object()]
+    return [sys.getrefcount(a) for a in items][0]  # as counted above, whatever the Python
+
+
+_IN_ONE_LIST = _refs_of_an_object_in_one_list()
+
+
+def _objects(block: nn.Module) -> list[Any]:
+    """The modules and arrays a layer op is read from: while they are the same objects,
+    the op is too."""
+    attn, mlp = block["self_attn"], block["mlp"]
+    parts = [block["input_layernorm"], block["post_attention_layernorm"], *attn.values(),
+             *mlp.values()]
+    objects = [attn, mlp, *parts]
+    for part in parts:
+        if isinstance(part, dict):  # a module (an MoE block's experts may be a list)
+            objects += part.values()
+    return objects
+
+
+def _layer_op(block: nn.Module) -> _LayerOp | None:
+    """The block's layer op (None where the fused op does not serve it), kept on the block
+    with the objects it was read from."""
+    objects = _objects(block)
+    cached = block.__dict__.get("_fused_layer_op")
+    if cached is not None and len(cached[0]) == len(objects) and all(
+            map(operator.is_, cached[0], objects)):
+        return cached[1]
+    op = _read_layer_op(block)
+    # object's setattr: nn.Module's would store a tuple among the block's parameters.
+    object.__setattr__(block, "_fused_layer_op", (objects, op))
+    return op
+
+
+def _read_layer_op(block: nn.Module) -> _LayerOp | None:
+    # Children as dict items: block.self_attn would go through nn.Module.__getattr__.
     attn, mlp = block["self_attn"], block["mlp"]
     if "gate_proj" not in mlp:
         return None  # a Mixture-of-Experts block
@@ -71,21 +181,13 @@ def fused_decoder_layer(block: nn.Module, x: mx.array, positions: mx.array,
         if q_norm.eps != k_norm.eps:
             return None
         qk_norms, qk_eps = [q_norm["weight"], k_norm["weight"]], q_norm.eps
-    ext, rope, int8 = native(), attn["rope"], step[1]
-    if positions.dtype != mx.int32:
-        positions = positions.astype(mx.int32)
-    q, k, v = ext.decoder_qkv(
-        x, in_norm["weight"], qkv, positions, rope._inv_freq, n_heads=attn.n_heads,
-        n_kv_heads=attn.n_kv_heads, eps=in_norm.eps, rope_dims=rope.dims,
-        rope_traditional=rope.traditional, rope_scale=rope.scale,
-        qkv_biases=[q_proj["bias"], k_proj["bias"], v_proj["bias"]] if "bias" in q_proj else [],
-        qk_norms=qk_norms, qk_eps=qk_eps, int8=int8)
-    k_pages, v_pages = write_pages(attn.layer, k, v)
-    global fused_layers_run
-    fused_layers_run += 1
-    return ext.decoder_rest(x, q, k_pages, v_pages, *cache.page_metadata(), attn.scale,
-                            cache.tiled, o_proj, post_norm["weight"], post_norm.eps, gate_up,
-                            down, int8=int8)
+    rope = attn["rope"]
+    biases = [q_proj["bias"], k_proj["bias"], v_proj["bias"]] if "bias" in q_proj else []
+    shared = (attn.n_heads, attn.n_kv_heads, attn.head_dim, in_norm.eps, post_norm.eps,
+              rope.dims, rope.traditional, rope.scale, qk_eps, attn.scale)
+    arrays = (in_norm["weight"], qkv, biases, qk_norms, rope._inv_freq, post_norm["weight"],
+              o_proj, gate_up, down)
+    return _LayerOp(arrays, attn.layer, shared)
 
 
 def _projections(layers: list[nn.Module], biases_allowed: bool = False

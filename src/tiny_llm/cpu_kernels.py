@@ -97,7 +97,7 @@ def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False,
     kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
     logits) belong to single-row sequences. With ``int8``, quantized layers multiply those
     rows with int8 activations (``quantized_linears``). With ``fused``, a step of decode
-    rows only runs its dense layers as two fused ops each (``cpu_fused.py``)."""
+    rows only runs each run of its dense layers as one fused op (``cpu_fused.py``)."""
     # Checked once per forward, not per layer: the device and the extension do not change.
     on = enabled and mx.default_device().type == mx.DeviceType.cpu and native() is not None
     token = _decode_rows.set(decode_rows if on else None)

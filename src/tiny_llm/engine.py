@@ -124,7 +124,7 @@ class EngineConfig:
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
-    fused_layers: bool = True  # decode steps' layers as two ops each (the CPU kernels)
+    fused_layers: bool = True  # decode steps' dense layers as one op (the CPU kernels)
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.cpu_fused import fused_decoder_layer
+from tiny_llm.cpu_fused import fused_decoder_layers
 from tiny_llm.cpu_kernels import (
     Embedding,
     Linear,
@@ -283,8 +283,6 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
-        if (fused := fused_decoder_layer(self, x, positions, cache)) is not None:
-            return fused  # a decode step on a CPU: two ops, the same bits (cpu_fused.py)
         h = x + self.self_attn(self.input_layernorm(x), positions, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 # ANCHOR_END: block
@@ -321,8 +319,11 @@ class Model(nn.Module):
         projection is the largest matmul of a step, so skipping the other rows matters.
         """
         h = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            h = layer(h, positions, cache)
+        if (fused := fused_decoder_layers(self.model.layers, h, positions, cache)) is not None:
+            h = fused  # a decode step on a CPU: runs of layers as single ops, the same bits
+        else:
+            for layer in self.model.layers:
+                h = layer(h, positions, cache)
         if logit_rows is not None:
             h = h[logit_rows]
         h = self.model.norm(h)
