@@ -1,4 +1,7 @@
 // Python bindings of the paged ops (module tiny_llm._native._ext).
+#include <cstring>
+#include <stdexcept>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -23,6 +26,8 @@ using namespace nb::literals;
 #endif
 
 namespace {
+
+constexpr const char* kDecoderRun = "tiny_llm.DecoderRun";
 
 // The launch plan as a dict of plain values and MLX arrays (tests hand it to the emulator).
 nb::dict plan_dict(const tiny_llm::MetalLaunchPlan& plan) {
@@ -105,34 +110,50 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.def("rms_norm", &tiny_llm::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "x * rsqrt(mean(x^2) + eps) * weight over the last axis, float32 on the CPU, one op.");
-  nb::class_<tiny_llm::DecoderRun>(
-      m, "DecoderRun",
-      "A run of consecutive decoder layers checked once for decoder_layers (decoder_run).");
+  // The run is handed to Python as a capsule, not a bound class: the course builds a
+  // learner's copy of this module beside it, and one C++ type bound by two modules is
+  // registered only once.
   m.def(
       "decoder_run",
       [](const std::vector<tiny_llm::DecoderLayerArrays>& layers, int n_heads, int n_kv_heads,
          int head_dim, float eps, float post_eps, int rope_dims, bool rope_traditional,
          float rope_scale, float qk_eps, float scale) {
-        return tiny_llm::decoder_run(layers, {n_heads, n_kv_heads, head_dim, eps, post_eps,
-                                              rope_dims, rope_traditional, rope_scale, qk_eps,
-                                              scale});
+        auto* run = new tiny_llm::DecoderRun(tiny_llm::decoder_run(
+            layers, {n_heads, n_kv_heads, head_dim, eps, post_eps, rope_dims, rope_traditional,
+                     rope_scale, qk_eps, scale}));
+        return nb::capsule(run, kDecoderRun, [](void* p) noexcept {
+          delete static_cast<tiny_llm::DecoderRun*>(p);
+        });
       },
       "layers"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "eps"_a,
       "post_eps"_a, "rope_dims"_a, "rope_traditional"_a, "rope_scale"_a, "qk_eps"_a = 0.0f,
       "scale"_a,
-      "Consecutive decoder layers for decoder_layers, checked once: each layer (input_norm, "
-      "qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up, down), each "
-      "projection argument (arrays, group_size, bits): bits 0 for float32 weights [w...], "
-      "else [w, scales, biases] of each.");
-  m.def("decoder_layers", &tiny_llm::decoder_layers, "run"_a, "x"_a, "k_pools"_a, "v_pools"_a,
-        "positions"_a, "slot_mapping"_a, "block_table"_a, "context_lens"_a,
-        "query_start_loc"_a, nb::kw_only(), "tiled"_a, "int8"_a = false,
-        "stream"_a = nb::none(),
-        "The run's layers for decode rows x [T, dim] in one op (float32, CPU): per layer "
-        "rms_norm, the q/k/v projections, their biases, the per-head norms and RoPE; its K/V "
-        "rows written into its pools at slot_mapping, in place; paged attention, o_proj, the "
-        "residual, rms_norm, the SwiGLU MLP and its residual; bit for bit those ops one by "
-        "one. The pools must be held by nothing else (donatable).");
+      "Consecutive decoder layers for decoder_layers, checked once (an opaque run): each "
+      "layer (input_norm, qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up, "
+      "down), each projection argument (arrays, group_size, bits): bits 0 for float32 "
+      "weights [w...], else [w, scales, biases] of each.");
+  m.def(
+      "decoder_layers",
+      [](nb::capsule run, const mx::array& x, const std::vector<mx::array>& k_pools,
+         const std::vector<mx::array>& v_pools, const mx::array& positions,
+         const mx::array& slot_mapping, const mx::array& block_table,
+         const mx::array& context_lens, const mx::array& query_start_loc, bool tiled,
+         bool int8, mx::StreamOrDevice s) {
+        if (run.name() == nullptr || std::strcmp(run.name(), kDecoderRun) != 0)
+          throw std::invalid_argument("decoder_layers needs a run made by decoder_run");
+        return tiny_llm::decoder_layers(*static_cast<const tiny_llm::DecoderRun*>(run.data()),
+                                        x, k_pools, v_pools, positions, slot_mapping,
+                                        block_table, context_lens, query_start_loc, tiled, int8,
+                                        s);
+      },
+      "run"_a, "x"_a, "k_pools"_a, "v_pools"_a, "positions"_a, "slot_mapping"_a,
+      "block_table"_a, "context_lens"_a, "query_start_loc"_a, nb::kw_only(), "tiled"_a,
+      "int8"_a = false, "stream"_a = nb::none(),
+      "The run's layers for decode rows x [T, dim] in one op (float32, CPU): per layer "
+      "rms_norm, the q/k/v projections, their biases, the per-head norms and RoPE; its K/V "
+      "rows written into its pools at slot_mapping, in place; paged attention, o_proj, the "
+      "residual, rms_norm, the SwiGLU MLP and its residual; bit for bit those ops one by "
+      "one. The pools must be held by nothing else (donatable).");
   m.def(
       "donatable", [](const mx::array& a) { return a.is_donatable(); }, "a"_a,
       "Whether nothing but this array holds its buffer (MLX's is_donatable): no other array, "
