@@ -243,53 +243,72 @@ inline void prefetch_rows(const T* k_pages, const T* v_pages, int64_t base, int 
     }
 }
 
+// ANCHOR: cpu_chunks
+// A sequence's keys are folded in chunks of kChunkPages pages, each chunk into fresh
+// states, and the chunks' states merged in order. A long decode row's chunks can then be
+// folded on different cores at once and merged after: the same arithmetic, and so the
+// same bits, as one core folding the chunks in turn, in any schedule.
+constexpr int kChunkPages = 8;
+
+// Online-softmax states of (row, head) pairs: running maxima m, sums l, unnormalised acc.
+struct PairStates {
+  float *m, *l, *acc;
+};
+
+// The states of `pairs` pairs over a chunk of keys (c) merged into their states over the
+// keys before it (s), the merge rule of the Metal kernel's simdgroups: both rescaled to
+// the larger maximum, then added. A pair the chunk had no key for (l == 0) is left as it
+// is, and a pair with no keys before takes the chunk's state as it is.
+inline void merge_chunk(PairStates s, PairStates c, int pairs, int D) {
+  for (int x = 0; x < pairs; ++x) {
+    float *acc = s.acc + x * D, *chunk = c.acc + x * D;
+    if (c.l[x] == 0.0f) continue;
+    if (s.l[x] == 0.0f) {
+      s.m[x] = c.m[x], s.l[x] = c.l[x];
+      std::memcpy(acc, chunk, sizeof(float) * D);
+      continue;
+    }
+    const float m = std::max(s.m[x], c.m[x]);
+    const float a = std::exp(s.m[x] - m), b = std::exp(c.m[x] - m);
+    s.m[x] = m;
+    s.l[x] = std::fma(c.l[x], b, s.l[x] * a);  // fma spelled out: one rounding everywhere
+    for (int d = 0; d < D; ++d) acc[d] = std::fma(chunk[d], b, acc[d] * a);
+  }
+}
+// ANCHOR_END: cpu_chunks
+
 // ANCHOR: cpu_attend_rows
 // `rows` consecutive query rows of one sequence (absolute positions first_pos, ...),
-// for G query heads sharing KV head `kv_head` (its whole group, or some of it: q and out
-// point at the first of them), over the sequence's pages.
+// for the G query heads sharing KV head `kv_head` (q points at the first of them): the
+// pages [j0, j1) of the sequence folded into the rows' pair states `st` (qf: their
+// queries, scaled; score and kv_f: scratch).
 //
 // rows == 1 is the vector (decode) schedule. rows > 1 is the tiled schedule: a query
 // tile against one page (key tile) at a time, so each K/V page is read once for the
 // whole tile; pages past the tile's last position are never visited (tiles above the
 // causal diagonal are skipped) and, on the diagonal page, each row stops at itself.
 template <typename T>
-void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
-                 const T* v_pages, const int32_t* table, int kv_head, int G,
-                 const CpuAttentionShape& g) {
+void walk_pages(const float* qf, int rows, int first_pos, const T* k_pages, const T* v_pages,
+                const int32_t* table, int kv_head, int G, int j0, int j1,
+                const CpuAttentionShape& g, float* score, float* kv_f, PairStates st) {
   const int D = g.head_dim, ps = g.page_size;
-  const int R = rows * G;  // (row, head) pairs of the tile
-  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
-  constexpr bool kIsFloat = std::is_same_v<T, float>;
   const int score_len = (ps + 7) / 8 * 8;  // whole vectors of eight (fold_page's exp8)
-  thread_local std::vector<float> buf;
-  buf.assign(static_cast<size_t>(2 * R * D + 2 * R + kPairsPerFold * score_len +
-                                 (kIsFloat ? 0 : 2 * ps * D)),
-             0.0f);
-  float* qf = buf.data();
-  float* acc = qf + R * D;
-  float* m = acc + R * D;
-  float* l = m + R;
-  float* score = l + R;
-  float* kv_f = score + kPairsPerFold * score_len;  // the page as float (half/bfloat pools)
-  for (int r = 0; r < rows; ++r)
-    for (int x = 0; x < G * D; ++x)
-      qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
-  std::fill(m, m + R, -FLT_MAX);
+  float *m = st.m, *l = st.l, *acc = st.acc;
   // ANCHOR: cpu_tile_walk
   const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
-  // TASK 4.2: attend_rows, the page walk — The vector schedule on the CPU
-  for (int start = 0, j = 0; start < num_keys; start += ps, ++j) {
+  // TASK 4.2: walk_pages, the page walk — The vector schedule on the CPU
+  for (int j = j0, start = j0 * ps; j < j1 && start < num_keys; ++j, start += ps) {
     const int n = std::min(ps, num_keys - start);
     // Address translation: logical page j of this sequence is physical page table[j].
     const int64_t base = static_cast<int64_t>(table[j]) * ps * slot_stride + kv_head * D;
-    if (start + ps < num_keys)  // the next page's rows, fetched while this one is folded
+    if (j + 1 < j1 && start + ps < num_keys)  // the next page's rows, fetched meanwhile
       prefetch_rows(k_pages, v_pages, static_cast<int64_t>(table[j + 1]) * ps * slot_stride +
                     kv_head * D, std::min(ps, num_keys - start - ps), D, slot_stride);
     const float* k;
     const float* v;
     int64_t stride;
-    if constexpr (kIsFloat) {
+    if constexpr (std::is_same_v<T, float>) {
       k = k_pages + base, v = v_pages + base, stride = slot_stride;
     } else {
       for (int t = 0; t < n; ++t)
@@ -314,12 +333,52 @@ void attend_rows(const T* q, T* out, int rows, int first_pos, const T* k_pages,
   }
   // END TASK
   // ANCHOR_END: cpu_tile_walk
+}
+
+// The rows' chunks [c0, c1) of keys, each walked into fresh states and merged in order
+// into `total` (the states over the chunks before c0; l = 0: none).
+template <typename T>
+void attend_chunks(const T* q, int rows, int first_pos, const T* k_pages, const T* v_pages,
+                   const int32_t* table, int kv_head, int G, int c0, int c1,
+                   const CpuAttentionShape& g, PairStates total) {
+  const int D = g.head_dim, ps = g.page_size, R = rows * G;  // (row, head) pairs
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
+  const int score_len = (ps + 7) / 8 * 8;
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(2 * R * D + 2 * R + kPairsPerFold * score_len + 2 * ps * D));
+  float* qf = buf.data();
+  const PairStates chunk{qf + R * D, qf + R * D + R, qf + R * D + 2 * R};
+  float* score = chunk.acc + R * D;
+  float* kv_f = score + kPairsPerFold * score_len;  // the page as float (half/bfloat pools)
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x < G * D; ++x)
+      qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
+  for (int c = c0; c < c1; ++c) {
+    std::fill(chunk.m, chunk.m + R, -FLT_MAX);
+    std::fill(chunk.l, chunk.l + R, 0.0f);
+    std::fill(chunk.acc, chunk.acc + R * D, 0.0f);
+    walk_pages(qf, rows, first_pos, k_pages, v_pages, table, kv_head, G, c * kChunkPages,
+               (c + 1) * kChunkPages, g, score, kv_f, chunk);
+    merge_chunk(total, chunk, R, D);
+  }
+}
+
+// out = acc / l of each pair, the rows' G heads at a time.
+template <typename T>
+void write_rows(PairStates st, int rows, int G, const CpuAttentionShape& g, T* out) {
+  const int D = g.head_dim;
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   for (int r = 0; r < rows; ++r)
     for (int gi = 0; gi < G; ++gi) {
       const int x = r * G + gi;
       for (int d = 0; d < D; ++d)
-        out[r * row_elems + gi * D + d] = static_cast<T>(acc[x * D + d] / l[x]);
+        out[r * row_elems + gi * D + d] = static_cast<T>(st.acc[x * D + d] / st.l[x]);
     }
+}
+
+// Chunks of keys that the tile's last row sees.
+inline int chunks_of(int num_keys, int page_size) {
+  return (num_keys + kChunkPages * page_size - 1) / (kChunkPages * page_size);
 }
 // ANCHOR_END: cpu_attend_rows
 
@@ -353,54 +412,86 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
 }
 // ANCHOR_END: cpu_tile_items
 
-// Query heads per work item: the KV head's whole group, so that each K/V row is read once
-// for all of it, unless that leaves fewer than kMinItems items over long contexts (a
-// decode step of one or two requests at kSplitKeys keys or more: three items on two cores
-// keep one idle a third of the time while they wait on memory). Then the group splits
-// into items of fewer heads, which read the KV head's rows again (from cache, mostly) and
-// fold fewer pairs at once: over short contexts, where the pages are in cache, that costs
-// more than the idle core. fold_page's arithmetic for a pair does not depend on the pairs
-// folded beside it, so no result depends on the split.
+// With fewer than kMinItems (tile, KV head) items (a decode step of one or two requests:
+// three items on two cores keep one idle a third of the time while they wait on memory),
+// one-row tiles become an item per chunk of their keys; the chunks' states are merged
+// after, in order.
 constexpr int kMinItems = 8;
-constexpr double kSplitKeys = 512;
-
-int heads_per_item(int items, int G, double keys_per_item) {
-  int heads = G;
-  while (keys_per_item >= kSplitKeys && items * (G / heads) < kMinItems && heads > 1)
-    do --heads;
-    while (G % heads);
-  return heads;
-}
 
 }  // namespace
 
 // ANCHOR: cpu_work_items
-// Work items: one per (tile of query rows, KV head, block of its query heads); each walks
-// only its own sequence's block table. Tiles of one row are the vector schedule.
+// Work items: one per (tile of query rows, KV head), or per (one-row tile, KV head, chunk
+// of keys); each walks only its own sequence's block table. Tiles of one row are the
+// vector schedule.
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
                          const CpuAttentionShape& g) {
   const std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
                                                    : row_items(qsl, g.num_seqs);
+  const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, H = g.n_kv_heads;
+  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
+  auto first_pos = [&](const Tile& tile) {
+    return context_lens[tile.seq] - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.row - qsl[tile.seq]);
+  };
+  // Each tile's items: one, or its chunks (split[t] > 0: their first partial state).
+  const bool split = static_cast<int64_t>(tiles.size()) * H < kMinItems;
+  std::vector<int> item_tile, item_chunk, split_first(tiles.size(), -1);
   double keys = 0;  // (query row, key) pairs, to size the job for the worker pool
-  for (int b = 0; b < g.num_seqs; ++b) keys += double(context_lens[b]) * (qsl[b + 1] - qsl[b]);
-  const int G = g.n_heads / g.n_kv_heads;
-  const int heads = heads_per_item(static_cast<int>(tiles.size()) * g.n_kv_heads, G,
-                                   keys / std::max<size_t>(1, tiles.size()));
-  const int blocks = G / heads;  // items per (tile, KV head)
-  const int64_t row_elems = static_cast<int64_t>(g.n_heads) * g.head_dim;
-  const int items = static_cast<int>(tiles.size()) * g.n_kv_heads * blocks;
-  const double flops = 4.0 * g.n_heads * g.head_dim * keys / std::max(1, items);
+  int partials = 0;
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    const int num_keys = first_pos(tiles[t]) + tiles[t].rows;
+    keys += double(num_keys) * tiles[t].rows;
+    const int chunks = chunks_of(num_keys, g.page_size);
+    if (split && tiles[t].rows == 1 && chunks > 1) {
+      split_first[t] = partials;
+      for (int c = 0; c < chunks; ++c) item_tile.push_back(t), item_chunk.push_back(c);
+      partials += chunks;
+    } else {
+      item_tile.push_back(t), item_chunk.push_back(-1);
+    }
+  }
+  // Partial states: [partial chunk][KV head][G] maxima and sums, then [G][D] acc.
+  const int64_t state_floats = static_cast<int64_t>(G) * (D + 2);
+  std::vector<float> partial(static_cast<size_t>(partials) * H * state_floats);
+  auto states_of = [&](float* base) { return PairStates{base, base + G, base + 2 * G}; };
+  const int items = static_cast<int>(item_tile.size()) * H;
+  const double flops = 4.0 * g.n_heads * D * keys / std::max(1, items);
   parallel_for(items, flops, [&](int item) {
-    const Tile& tile = tiles[item / (g.n_kv_heads * blocks)];
-    const int h = item / blocks % g.n_kv_heads, first_head = h * G + item % blocks * heads;
-    const int b = tile.seq, query_len = qsl[b + 1] - qsl[b];
-    const int first_pos = context_lens[b] - query_len + (tile.row - qsl[b]);
-    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(first_head) * g.head_dim;
-    attend_rows(q + offset, out + offset, tile.rows, first_pos, k_pages, v_pages,
-                tables + static_cast<int64_t>(b) * g.max_pages, h, heads, g);
+    const int i = item / H, h = item % H, c = item_chunk[i];
+    const Tile& tile = tiles[item_tile[i]];
+    const int pos = first_pos(tile), R = tile.rows * G;
+    const int64_t offset = tile.row * row_elems + static_cast<int64_t>(h) * G * D;
+    const int32_t* table = tables + static_cast<int64_t>(tile.seq) * g.max_pages;
+    if (c >= 0) {  // one chunk, merged with the others below
+      float* base = partial.data() + ((split_first[item_tile[i]] + c) * H + h) * state_floats;
+      std::fill(base + G, base + 2 * G + G * D, 0.0f);  // l = 0: no keys yet
+      attend_chunks(q + offset, 1, pos, k_pages, v_pages, table, h, G, c, c + 1, g,
+                    states_of(base));
+      return;
+    }
+    thread_local std::vector<float> total;
+    total.assign(static_cast<size_t>(R) * (D + 2), 0.0f);
+    const PairStates st{total.data(), total.data() + R, total.data() + 2 * R};
+    attend_chunks(q + offset, tile.rows, pos, k_pages, v_pages, table, h, G, 0,
+                  chunks_of(pos + tile.rows, g.page_size), g, st);
+    write_rows(st, tile.rows, G, g, out + offset);
   });
+  std::vector<float> merged(static_cast<size_t>(state_floats));
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    if (split_first[t] < 0) continue;
+    const int chunks = chunks_of(first_pos(tiles[t]) + 1, g.page_size);
+    for (int h = 0; h < H; ++h) {
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      for (int c = 0; c < chunks; ++c)
+        merge_chunk(states_of(merged.data()),
+                    states_of(partial.data() + ((split_first[t] + c) * H + h) * state_floats),
+                    G, D);
+      write_rows(states_of(merged.data()), 1, G, g,
+                 out + tiles[t].row * row_elems + static_cast<int64_t>(h) * G * D);
+    }
+  }
 }
 // ANCHOR_END: cpu_work_items
 
