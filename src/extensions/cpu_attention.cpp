@@ -433,7 +433,8 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
   const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, H = g.n_kv_heads;
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   auto first_pos = [&](const Tile& tile) {
-    return context_lens[tile.seq] - (qsl[tile.seq + 1] - qsl[tile.seq]) + (tile.row - qsl[tile.seq]);
+    const int b = tile.seq;
+    return context_lens[b] - (qsl[b + 1] - qsl[b]) + (tile.row - qsl[b]);
   };
   // Each tile's items: one, or its chunks (split[t] > 0: their first partial state).
   const bool split = static_cast<int64_t>(tiles.size()) * H < kMinItems;

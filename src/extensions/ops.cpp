@@ -322,9 +322,8 @@ void DecoderLayers::eval_cpu(const std::vector<mx::array>& inputs,
   auto& enc = begin_cpu_eval(stream(), inputs, outputs);
   auto data = [&](size_t i) { return row_major(inputs[i], enc).data<void>(); };
   const auto* x = static_cast<const float*>(data(0));
-  const DecoderStep step{static_cast<const int32_t*>(data(1)), static_cast<const int32_t*>(data(2)),
-                         static_cast<const int32_t*>(data(3)), static_cast<const int32_t*>(data(4)),
-                         static_cast<const int32_t*>(data(5))};
+  auto ints = [&](size_t i) { return static_cast<const int32_t*>(data(i)); };
+  const DecoderStep step{ints(1), ints(2), ints(3), ints(4), ints(5)};
   const auto& o = options_;
   const size_t pools = 6, L = formats_.size();
   std::vector<DecoderLayer> layers;
