@@ -27,7 +27,10 @@ Python reference, view or pending graph: MLX's donation rule, ``donatable``), as
 ``paged_kv_write`` writes in place only a pool it may donate; otherwise the step runs op by
 op, whose write copies the pool and leaves the holder's array as it was. What the op takes
 of each layer (its arrays and how they are laid out) is worked out once and reused while
-the layer's modules and arrays stay the same objects.
+the layer's modules and arrays stay the same objects. A weight replaced (``load_weights``,
+``update``, a new module) is read again; one changed in place in MLX (``w += d``,
+``w[i] = x``, which keep the Python object) is not, and decode steps would go on
+multiplying by the old values: change weights by replacing them while an engine serves.
 
 The fused layers serve what those kernels serve: float32 on a CPU stream with the reference
 extension (a learner's kernels run op by op: they are what the course tests), projections
