@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 #include <arm_neon.h>
@@ -23,45 +23,99 @@ namespace tiny_llm {
 namespace {
 
 // ANCHOR: qlinear_lanes
-// Sixteen lanes (GCC/Clang vector extensions): one AVX-512 register, two AVX2 registers or
-// four NEON ones. Sixteen packed bytes widen to sixteen int32 lanes: 32 weights at 4 bits
-// (byte j holds weights 2j and 2j + 1 of its 32), 16 at 8 bits.
-typedef float F16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
+// Sixteen float (or int32) lanes, held in the target's own vector registers: one AVX-512
+// register, two AVX2 ones, four NEON or SSE ones. Held as one 64-byte GCC vector instead,
+// a target without 64-byte registers kept every value on the stack and called a function
+// for each multiply-add: on an AVX2 machine (Zen 3) the kernel read its weights at 0.5-0.8
+// GB/s, where the float32 kernel reads 24. Every operation below is lane by lane, so the
+// lanes' arithmetic, and the bits, are the same whatever holds them.
+#if defined(__AVX512F__)
+constexpr int kPartLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kPartLanes = 8;
+#else
+constexpr int kPartLanes = 4;
+#endif
+constexpr int kParts = 16 / kPartLanes;
+typedef float FloatPart __attribute__((vector_size(4 * kPartLanes)));
+typedef int32_t IntPart __attribute__((vector_size(4 * kPartLanes)));
 typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+// Inlined always: a call would pass the lanes through memory.
+#define LANES_INLINE inline __attribute__((always_inline))
+
+// Sixteen packed bytes widen to sixteen int32 lanes (I16): 32 weights at 4 bits (byte j
+// holds weights 2j and 2j + 1 of its 32), 16 at 8 bits; F16 holds sixteen floats.
+struct F16 {
+  FloatPart part[kParts];
+  LANES_INLINE float operator[](int i) const { return part[i / kPartLanes][i % kPartLanes]; }
+  LANES_INLINE void set(int i, float v) { part[i / kPartLanes][i % kPartLanes] = v; }
+};
+
+struct I16 {
+  IntPart part[kParts];
+  LANES_INLINE int32_t operator[](int i) const { return part[i / kPartLanes][i % kPartLanes]; }
+  LANES_INLINE void set(int i, int32_t v) { part[i / kPartLanes][i % kPartLanes] = v; }
+};
+
+LANES_INLINE F16 operator+(F16 a, const F16& b) {
+  for (int p = 0; p < kParts; ++p) a.part[p] += b.part[p];
+  return a;
+}
+LANES_INLINE F16& operator+=(F16& a, const F16& b) { return a = a + b; }
+LANES_INLINE F16 operator*(F16 a, const F16& b) {
+  for (int p = 0; p < kParts; ++p) a.part[p] *= b.part[p];
+  return a;
+}
+LANES_INLINE I16 operator&(I16 a, int32_t mask) {
+  for (int p = 0; p < kParts; ++p) a.part[p] &= mask;
+  return a;
+}
+LANES_INLINE I16 operator>>(I16 a, int shift) {
+  for (int p = 0; p < kParts; ++p) a.part[p] >>= shift;
+  return a;
+}
+LANES_INLINE F16 to_floats(const I16& q) {
+  F16 out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = __builtin_convertvector(q.part[p], FloatPart);
+  return out;
+}
 
 // a * b + c rounded once, lane by lane. Spelled out because `a * b + c` leaves the choice
 // to the compiler, which may fuse it in one place and not in another: every output must
 // take the same operations whatever tile computes it.
-inline F16 fma16(F16 a, F16 b, F16 c) {
+LANES_INLINE F16 fma16(const F16& a, const F16& b, F16 c) {
+  for (int p = 0; p < kParts; ++p) {
 #if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, c);
+    c.part[p] = _mm512_fmadd_ps(a.part[p], b.part[p], c.part[p]);
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 h[3][2];
-  std::memcpy(h[0], &a, 64), std::memcpy(h[1], &b, 64), std::memcpy(h[2], &c, 64);
-  for (int i = 0; i < 2; ++i) h[2][i] = _mm256_fmadd_ps(h[0][i], h[1][i], h[2][i]);
-  std::memcpy(&c, h[2], 64);
-  return c;
+    c.part[p] = _mm256_fmadd_ps(a.part[p], b.part[p], c.part[p]);
 #elif defined(__ARM_NEON) && defined(__aarch64__)
-  float32x4_t q[3][4];
-  std::memcpy(q[0], &a, 64), std::memcpy(q[1], &b, 64), std::memcpy(q[2], &c, 64);
-  for (int i = 0; i < 4; ++i) q[2][i] = vfmaq_f32(q[2][i], q[0][i], q[1][i]);
-  std::memcpy(&c, q[2], 64);
-  return c;
+    c.part[p] = (FloatPart)vfmaq_f32((float32x4_t)c.part[p], (float32x4_t)a.part[p],
+                                     (float32x4_t)b.part[p]);
 #else
-  for (int i = 0; i < 16; ++i) c[i] = std::fma(a[i], b[i], c[i]);
-  return c;
+    for (int i = 0; i < kPartLanes; ++i)
+      c.part[p][i] = std::fma(a.part[p][i], b.part[p][i], c.part[p][i]);
 #endif
+  }
+  return c;
 }
 
-// Spelled lane by lane: GCC built `F16{} + v` from sixteen scalar stores where the target
-// has no 64-byte registers (an AVX2 build's packed kernel took 1.7x as long).
-inline F16 splat(float v) { return F16{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}; }
+LANES_INLINE F16 splat(float v) {
+  F16 out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = FloatPart{} + v;
+  return out;
+}
 
 // The sixteen lanes summed in a fixed tree: lane i + 8 onto lane i, then i + 4, i + 2, i + 1.
-inline float sum_lanes(F16 v) {
+LANES_INLINE float sum_lanes(const F16& v) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v.part[0]),
+                                  _mm512_extractf32x8_ps(v.part[0], 1));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 s8 = _mm256_add_ps(v.part[0], v.part[1]);
+#endif
+#if (defined(__AVX512F__) && defined(__AVX512DQ__)) || (defined(__AVX2__) && !defined(__AVX512F__))
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
@@ -75,33 +129,32 @@ inline float sum_lanes(F16 v) {
 }
 
 // The first `count` (1 .. 16) floats at p, the other lanes zero; nothing past them is read.
-inline F16 load_floats(const float* p, int count) {
-#if defined(__AVX512F__)
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
-#else
+LANES_INLINE F16 load_floats(const float* p, int count) {
   F16 out{};
+#if defined(__AVX512F__)
+  out.part[0] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
+#else
   std::memcpy(&out, p, sizeof(float) * count);
-  return out;
 #endif
+  return out;
 }
 
 // Sixteen bytes zero-extended to int32 lanes (the generic conversion compiles to byte-by-byte
 // moves, hence the instructions where the target has them).
-inline I16 load_bytes(const uint8_t* p) {
+LANES_INLINE I16 load_bytes(const uint8_t* p) {
+  I16 out;
 #if defined(__AVX512F__)
-  return reinterpret_cast<I16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  out.part[0] = (IntPart)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif defined(__AVX2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i halves[2] = {_mm256_cvtepu8_epi32(bytes),
-                             _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
-  I16 out;
-  std::memcpy(&out, halves, sizeof out);
-  return out;
+  out.part[0] = (IntPart)_mm256_cvtepu8_epi32(bytes);
+  out.part[1] = (IntPart)_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
 #else
   U8x16 bytes;
   std::memcpy(&bytes, p, sizeof bytes);
-  return __builtin_convertvector(bytes, I16);
+  for (int i = 0; i < 16; ++i) out.part[i / kPartLanes][i % kPartLanes] = bytes[i];
 #endif
+  return out;
 }
 // ANCHOR_END: qlinear_lanes
 
@@ -151,18 +204,54 @@ inline float to_float(BFloat16Bits v) {  // the top half of a float32's bits
 
 // load_floats of values stored narrower: the first `count` (1 .. 16), widened.
 template <typename S>
-inline F16 load_floats(const S* p, int count) {
+LANES_INLINE F16 load_floats(const S* p, int count) {
   static_assert(sizeof(S) == 2, "float32 values take load_floats(const float*, int)");
+  F16 out{};
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   const __m256i bits = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p);
-  if constexpr (std::is_same_v<S, Float16Bits>) return _mm512_cvtph_ps(bits);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-#else
-  F16 out{};
-  for (int i = 0; i < count; ++i) out[i] = to_float(p[i]);
+  if constexpr (std::is_same_v<S, Float16Bits>)
+    out.part[0] = _mm512_cvtph_ps(bits);
+  else
+    out.part[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return out;
+#elif defined(__AVX2__) && defined(__F16C__)
+  if (count == 16) {  // the usual case: sixteen groups of a longer row
+    for (int h = 0; h < 2; ++h) {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h));
+      if constexpr (std::is_same_v<S, Float16Bits>)
+        out.part[h] = _mm256_cvtph_ps(bits);
+      else
+        out.part[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+    return out;
+  }
 #endif
+  for (int i = 0; i < count; ++i) out.set(i, to_float(p[i]));
+  return out;
 }
+
+#if defined(__AVX2__)
+// The first four values at p as floats, those past the first `count` zero (nothing past
+// them is read).
+template <typename S>
+LANES_INLINE __m128 first_four(const S* p, int count) {
+  if (count < 4) {
+    alignas(16) float v[4] = {};
+    for (int i = 0; i < count; ++i) v[i] = to_float(p[i]);
+    return _mm_load_ps(v);
+  }
+  if constexpr (std::is_same_v<S, float>) return _mm_loadu_ps(p);
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<S, Float16Bits>) return _mm_cvtph_ps(bits);
+#endif
+  if constexpr (std::is_same_v<S, BFloat16Bits>)
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
+  alignas(16) float v[4];
+  for (int i = 0; i < 4; ++i) v[i] = to_float(p[i]);
+  return _mm_load_ps(v);
+}
+#endif
 
 // fn(scales, biases): the part's, as pointers to the type they are stored in.
 template <typename Fn>
@@ -195,12 +284,12 @@ class StagedRows {
       F16* out = x_.data() + m * row_vectors_;
       for (int64_t v = 0; v < row_vectors_; ++v)
         for (int l = 0; l < 16; ++l)
-          out[v][l] = format.bits == 4 ? row[v / 2 * 32 + 2 * l + v % 2] : row[v * 16 + l];
+          out[v].set(l, format.bits == 4 ? row[v / 2 * 32 + 2 * l + v % 2] : row[v * 16 + l]);
       F16* sums = sums_.data() + m * sum_vectors_;
       for (int64_t g = 0; g < groups_; ++g) {
         F16 sum{};
         for (int64_t v = 0; v < per_group; ++v) sum += out[g * per_group + v];
-        sums[g / 16][g % 16] = sum_lanes(sum);
+        sums[g / 16].set(g % 16, sum_lanes(sum));
       }
     }
   }
@@ -218,20 +307,20 @@ class StagedRows {
 // One group of one weight row against MR rows of x: v[i] = the lane-wise sum of q * x over
 // the group's packed bytes, in order; the bytes are widened once for all MR rows.
 template <int MR, int BITS>
-inline void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (&v)[MR]) {
+LANES_INLINE void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (&v)[MR]) {
   for (int i = 0; i < MR; ++i) v[i] = F16{};
   for (int c = 0; c < chunks; ++c, w += kBytesPerChunk) {
     const I16 q = load_bytes(w);
     if constexpr (BITS == 4) {
-      const F16 even = __builtin_convertvector(q & 15, F16);
-      const F16 odd = __builtin_convertvector(q >> 4, F16);
+      const F16 even = to_floats(q & 15);
+      const F16 odd = to_floats(q >> 4);
       for (int i = 0; i < MR; ++i) {
         v[i] = fma16(even, x[i][0], v[i]);
         v[i] = fma16(odd, x[i][1], v[i]);
         x[i] += 2;
       }
     } else {
-      const F16 all = __builtin_convertvector(q, F16);
+      const F16 all = to_floats(q);
       for (int i = 0; i < MR; ++i) v[i] = fma16(all, *x[i]++, v[i]);
     }
   }
@@ -239,7 +328,7 @@ inline void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (
 
 // bias[i] = the lane-wise b_g * sum_g(x) of row i over a weight row's groups, 16 at a time.
 template <int MR, typename S>
-inline void bias_terms(const S* biases, const F16* const* sums, int64_t groups,
+LANES_INLINE void bias_terms(const S* biases, const F16* const* sums, int64_t groups,
                        F16 (&bias)[MR]) {
   for (int i = 0; i < MR; ++i) bias[i] = F16{};
   for (int64_t j = 0; j * 16 < groups; ++j) {
@@ -324,7 +413,7 @@ class Int8Rows {
   Int8Rows(const float* x, int64_t M, int64_t K, QuantFormat format)
       : groups_(K / format.group), sum_vectors_((groups_ + 15) / 16),
         block_weights_(format.bits == 4 ? 2 * kBlockBytes : kBlockBytes),
-        blocks_((K + block_weights_ - 1) / block_weights_),
+        blocks_((K + block_weights_ - 1) / block_weights_), whole_blocks_(K / block_weights_),
         q_(static_cast<size_t>(M * blocks_ * block_weights_), 0), sx_(M * blocks_),
         sums_(M * sum_vectors_) {
     const int64_t padded = blocks_ * block_weights_, subgroups = padded / 32;
@@ -348,7 +437,7 @@ class Int8Rows {
         if (g * 32 < K) {  // std::fma: a compiler may fuse `+= a * b` on some targets only
           F16& group_sums = sums[g * 32 / group / 16];
           const int64_t lane = g * 32 / group % 16;
-          group_sums[lane] = std::fma(sx[g], static_cast<float>(sum), group_sums[lane]);
+          group_sums.set(lane, std::fma(sx[g], static_cast<float>(sum), group_sums[lane]));
         }
       }
       int8_t* out = q_.data() + m * padded;
@@ -363,12 +452,13 @@ class Int8Rows {
         }
         // Lane k's group of 32: weights 8k .. 8k + 7 of the block at 4 bits, 4k .. 4k + 3 at 8.
         for (int k = 0; k < 16; ++k)
-          sx_[m * blocks_ + b][k] = sx[(b * block_weights_ + k * (block_weights_ / 16)) / 32];
+          sx_[m * blocks_ + b].set(k, sx[(b * block_weights_ + k * (block_weights_ / 16)) / 32]);
       }
     }
     // A lane's weight group, from the block's first: groups divide blocks or blocks groups.
-    for (int k = 0; k < 16; ++k)
-      lane_group_[k] = static_cast<int32_t>(k * (block_weights_ / 16) / group);
+    for (int k = 0; k < 16; ++k)  // 0 .. 3: groups of 32 weights or more
+      lane_group_.set(k, static_cast<int32_t>(k * (block_weights_ / 16) / group));
+    lane_groups_ = lane_group_[15] + 1;
     for (int64_t b = 0; b < blocks_; ++b) {
       first_group_.push_back(b * block_weights_ / group);
       group_count_.push_back(
@@ -382,26 +472,35 @@ class Int8Rows {
   const F16* sums(int64_t m) const { return sums_.data() + m * sum_vectors_; }
   int64_t groups() const { return groups_; }
   int64_t blocks() const { return blocks_; }
-  // Lane k: the scale (or any per-group value) of the weight group that lane k of block b reads.
-  template <typename S>
-  F16 lane_values(const S* per_group, int64_t b) const {
+  // Whole blocks of a row: its first row_bytes / 64 (each lane's group lies in the row).
+  int64_t whole_blocks() const { return whole_blocks_; }
+  // Lane k: the scale (or any per-group value) of the weight group that lane k of block b
+  // reads (Whole: b is a whole block, whose lanes read lane_groups_ groups).
+  template <bool Whole, typename S>
+  LANES_INLINE F16 lane_values(const S* per_group, int64_t b) const {
     const int64_t first = first_group_[b];
-#if defined(__AVX512F__)
-    return _mm512_permutexvar_ps(reinterpret_cast<__m512i>(lane_group_),
-                                 load_floats(per_group + first, group_count_[b]));
-#else
+    const int count = Whole ? lane_groups_ : group_count_[b];
     F16 out;
+#if defined(__AVX512F__)
+    out.part[0] = _mm512_permutexvar_ps((__m512i)lane_group_.part[0],
+                                        load_floats(per_group + first, count).part[0]);
+#elif defined(__AVX2__)
+    const __m256 values = _mm256_castps128_ps256(first_four(per_group + first, count));
+    for (int h = 0; h < 2; ++h)
+      out.part[h] = _mm256_permutevar8x32_ps(values, (__m256i)lane_group_.part[h]);
+#else
     for (int k = 0; k < 16; ++k)  // lanes past the row's last group: zero, as above
-      out[k] = lane_group_[k] < group_count_[b] ? to_float(per_group[first + lane_group_[k]]) : 0.0f;
-    return out;
+      out.set(k, lane_group_[k] < count ? to_float(per_group[first + lane_group_[k]]) : 0.0f);
 #endif
+    return out;
   }
 
  private:
-  int64_t groups_, sum_vectors_, block_weights_, blocks_;
+  int64_t groups_, sum_vectors_, block_weights_, blocks_, whole_blocks_;
   std::vector<int8_t> q_;
   std::vector<F16> sx_, sums_;
   I16 lane_group_;
+  int lane_groups_;                   // the groups a whole block's lanes read: 1, 2 or 4
   std::vector<int64_t> first_group_;  // per block: its first weight group
   std::vector<int> group_count_;      // and how many groups of the row lie from there (<= 16)
 };
@@ -416,7 +515,7 @@ struct WeightBlock {
 };
 
 template <int BITS>
-inline WeightBlock unpack(const uint8_t* w, int count) {
+LANES_INLINE WeightBlock unpack(const uint8_t* w, int count) {
   const __m512i bytes = count == kBlockBytes
                             ? _mm512_loadu_si512(w)
                             : _mm512_maskz_loadu_epi8((~0ull) >> (kBlockBytes - count), w);
@@ -427,11 +526,11 @@ inline WeightBlock unpack(const uint8_t* w, int count) {
 
 // Lane k: the sum of the products of bytes 4k .. 4k + 3 with the staged xq (vpdpbusd).
 template <int BITS>
-inline I16 products(const WeightBlock& w, const int8_t* xq) {
+LANES_INLINE I16 products(const WeightBlock& w, const int8_t* xq) {
   __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.part[0], _mm512_loadu_si512(xq));
   if constexpr (BITS == 4)
     sum = _mm512_dpbusd_epi32(sum, w.part[1], _mm512_loadu_si512(xq + kBlockBytes));
-  return reinterpret_cast<I16>(sum);
+  return I16{{(IntPart)sum}};
 }
 #elif defined(__AVX2__)
 // Two 32-byte halves. vpmaddubsw adds pairs of u8 * s8 products in int16, which holds
@@ -442,12 +541,17 @@ struct WeightBlock {
 };
 
 template <int BITS>
-inline WeightBlock unpack(const uint8_t* w, int count) {
-  alignas(32) uint8_t tail[kBlockBytes] = {};
-  if (count < kBlockBytes) std::memcpy(tail, w, count), w = tail;
+LANES_INLINE WeightBlock unpack(const uint8_t* w, int count) {
   WeightBlock out;
   for (int h = 0; h < 2; ++h) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+    __m256i bytes = _mm256_setzero_si256();  // a half past the row's end: zero
+    if (count >= 32 * (h + 1)) {
+      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
+    } else if (count > 32 * h) {  // (a row of 576 4-bit weights ends with a whole half)
+      alignas(32) uint8_t tail[32] = {};
+      std::memcpy(tail, w + 32 * h, count - 32 * h);
+      bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+    }
     if constexpr (BITS == 4) {
       const __m256i low4 = _mm256_set1_epi8(15);
       out.part[0][h] = _mm256_and_si256(bytes, low4);
@@ -462,24 +566,23 @@ inline WeightBlock unpack(const uint8_t* w, int count) {
 
 // Lane k: the sum of the products of bytes 4k .. 4k + 3 with the staged xq.
 template <int BITS>
-inline I16 products(const WeightBlock& w, const int8_t* xq) {
+LANES_INLINE I16 products(const WeightBlock& w, const int8_t* xq) {
   const __m256i ones = _mm256_set1_epi16(1);
-  auto dot = [&](__m256i bytes, const int8_t* x) {  // four bytes' products per int32 lane
-    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, xs), ones);
+  auto pairs = [](__m256i bytes, const int8_t* x) {  // two bytes' products per int16 lane
+    return _mm256_maddubs_epi16(bytes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   };
   __m256i sum[2];
   for (int h = 0; h < 2; ++h) {
-    if constexpr (BITS == 4)
-      sum[h] = _mm256_add_epi32(dot(w.part[0][h], xq + 32 * h),
-                                dot(w.part[1][h], xq + kBlockBytes + 32 * h));
+    if constexpr (BITS == 4)  // both nibbles' pairs added in int16 (at most 4 * 15 * 127)
+      sum[h] = _mm256_madd_epi16(_mm256_add_epi16(pairs(w.part[0][h], xq + 32 * h),
+                                                  pairs(w.part[1][h], xq + kBlockBytes + 32 * h)),
+                                 ones);
     else
-      sum[h] = _mm256_add_epi32(dot(w.part[0][h], xq + 32 * h),
-                                _mm256_slli_epi32(dot(w.part[1][h], xq + 32 * h), 7));
+      sum[h] = _mm256_add_epi32(
+          _mm256_madd_epi16(pairs(w.part[0][h], xq + 32 * h), ones),
+          _mm256_slli_epi32(_mm256_madd_epi16(pairs(w.part[1][h], xq + 32 * h), ones), 7));
   }
-  I16 out;
-  std::memcpy(&out, sum, sizeof out);
-  return out;
+  return I16{{(IntPart)sum[0], (IntPart)sum[1]}};
 }
 #else
 struct WeightBlock {
@@ -498,46 +601,56 @@ inline WeightBlock unpack(const uint8_t* w, int count) {
 
 template <int BITS>
 inline I16 products(const WeightBlock& w, const int8_t* xq) {
-  I16 sum{};
+  int32_t sum[16] = {};
   for (int p = 0; p < (BITS == 4 ? 2 : 1); ++p)
     for (int j = 0; j < kBlockBytes; ++j)
       sum[j / 4] += static_cast<int32_t>(w.part[p][j]) * xq[p * kBlockBytes + j];
-  return sum;
+  I16 out;
+  for (int k = 0; k < 16; ++k) out.set(k, sum[k]);
+  return out;
 }
 #endif
 
-// MR rows of x against NR consecutive weight rows (row_bytes apart), int8 activations.
-// Per block, in order: acc += (float(sum of q * xq) * sx) * sw, lane by lane; then
-// y = sum_lanes(acc + bias), bias as in tile. The integer sums are exact and the float
-// steps fixed, so the bits depend on K, the group size and the bit width only: the same
-// in any tile, at any M and on any vector unit. NR > 1 shares each row's xq loads among
-// the weight rows and keeps more chains in flight when there are few rows of x.
+// Block b of MR rows of x against NR consecutive weight rows (row_bytes apart), into acc:
+// acc += (float(sum of q * xq) * sx) * sw, lane by lane. `count`: the block's bytes (64
+// but in a row's last block).
+template <int MR, int NR, int BITS, bool Whole, typename S>
+LANES_INLINE void int8_block(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_bytes,
+                             const S* scales, int64_t b, int count, F16 (&acc)[MR][NR]) {
+  const int64_t groups = rows.groups();
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    // Asked for 4 KiB ahead: this loop needs so few instructions a byte that, left to the
+    // hardware prefetchers, it waited on memory (the 8-bit vocabulary projection of one
+    // row took 1.4x as long without).
+    __builtin_prefetch(w + r * row_bytes + b * kBlockBytes + 4096);
+    const WeightBlock block = unpack<BITS>(w + r * row_bytes + b * kBlockBytes, count);
+    const F16 sw = rows.lane_values<Whole>(scales + r * groups, b);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const F16 sums = to_floats(products<BITS>(block, rows.q(m + i, b)));
+      acc[i][r] = fma16(sums * rows.sx(m + i, b), sw, acc[i][r]);
+    }
+  }
+}
+
+// MR rows of x against NR consecutive weight rows, int8 activations: acc over the blocks in
+// order (int8_block), then y = sum_lanes(acc + bias), bias as in tile. The integer sums
+// are exact and the float steps fixed, so the bits depend on K, the group size and the bit
+// width only: the same in any tile, at any M and on any vector unit. NR > 1 shares each
+// row's xq loads among the weight rows and keeps more chains in flight when there are few
+// rows of x.
 template <int MR, int NR, int BITS, typename S>
 void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_bytes,
                const S* scales, const S* biases, float* y, int64_t ldy) {
-  const int64_t groups = rows.groups(), blocks = rows.blocks();
   F16 acc[MR][NR] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int count = static_cast<int>(std::min<int64_t>(kBlockBytes, row_bytes - b * kBlockBytes));
-    WeightBlock block[NR];
-    F16 sw[NR];
-    for (int r = 0; r < NR; ++r) {
-      // Asked for 4 KiB ahead: this loop needs so few instructions a byte that, left to
-      // the hardware prefetchers, it waited on memory (the 8-bit vocabulary projection
-      // of one row took 1.4x as long without).
-      __builtin_prefetch(w + r * row_bytes + b * kBlockBytes + 4096);
-      block[r] = unpack<BITS>(w + r * row_bytes + b * kBlockBytes, count);
-      sw[r] = rows.lane_values(scales + r * groups, b);
-    }
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* xq = rows.q(m + i, b);
-      const F16 sx = rows.sx(m + i, b);
-      for (int r = 0; r < NR; ++r) {
-        const F16 sums = __builtin_convertvector(products<BITS>(block[r], xq), F16);
-        acc[i][r] = fma16(sums * sx, sw[r], acc[i][r]);
-      }
-    }
-  }
+  const int64_t whole = rows.whole_blocks();
+  for (int64_t b = 0; b < whole; ++b)
+    int8_block<MR, NR, BITS, true>(rows, m, w, row_bytes, scales, b, kBlockBytes, acc);
+  if (whole < rows.blocks())  // the row's last block, part of one
+    int8_block<MR, NR, BITS, false>(rows, m, w, row_bytes, scales, whole,
+                                    static_cast<int>(row_bytes - whole * kBlockBytes), acc);
+  const int64_t groups = rows.groups();
   const F16* sums[MR];
   for (int i = 0; i < MR; ++i) sums[i] = rows.sums(m + i);
   for (int r = 0; r < NR; ++r) {
@@ -670,16 +783,30 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
 
 namespace {
 
-// Lanes 0-7 (Half 0) or 8-15 (Half 1) of a and b, interleaved: a[i], b[i], a[i + 1], ...
-template <int Half>
-inline F16 interleave(F16 a, F16 b) {
-  constexpr int h = 8 * Half;
+// out[2j] = a[j] and out[2j + 1] = b[j] for the sixteen lanes: 32 floats.
+LANES_INLINE void store_interleaved(const F16& a, const F16& b, float* out) {
+#if defined(__AVX512F__)
+  const FloatPart x = a.part[0], y = b.part[0];
 #if defined(__clang__) || __GNUC__ >= 12
-  return __builtin_shufflevector(a, b, h, 16 + h, h + 1, 17 + h, h + 2, 18 + h, h + 3, 19 + h,
-                                 h + 4, 20 + h, h + 5, 21 + h, h + 6, 22 + h, h + 7, 23 + h);
+  const FloatPart halves[2] = {
+      __builtin_shufflevector(x, y, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+      __builtin_shufflevector(x, y, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)};
 #else
-  return __builtin_shuffle(a, b, I16{h, 16 + h, h + 1, 17 + h, h + 2, 18 + h, h + 3, 19 + h,
-                                     h + 4, 20 + h, h + 5, 21 + h, h + 6, 22 + h, h + 7, 23 + h});
+  const FloatPart halves[2] = {
+      __builtin_shuffle(x, y, IntPart{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}),
+      __builtin_shuffle(x, y, IntPart{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15,
+                                      31})};
+#endif
+  std::memcpy(out, halves, sizeof halves);
+#elif defined(__AVX2__)
+  for (int p = 0; p < 2; ++p) {
+    const __m256 low = _mm256_unpacklo_ps(a.part[p], b.part[p]);   // a0 b0 a1 b1 | a4 b4 a5 b5
+    const __m256 high = _mm256_unpackhi_ps(a.part[p], b.part[p]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+    _mm256_storeu_ps(out + 16 * p, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(out + 16 * p + 8, _mm256_permute2f128_ps(low, high, 0x31));
+  }
+#else
+  for (int j = 0; j < 16; ++j) out[2 * j] = a[j], out[2 * j + 1] = b[j];
 #endif
 }
 
@@ -699,13 +826,12 @@ void dequantize_rows(const QuantizedPart& part, const S* scales, const S* biases
       for (int64_t k = 0; k < format.group; w += kBytesPerChunk) {
         const I16 q = load_bytes(w);
         if (format.bits == 4) {  // byte j: weights 2j (low nibble) and 2j + 1
-          const F16 even = fma16(__builtin_convertvector(q & 15, F16), s, b);
-          const F16 odd = fma16(__builtin_convertvector(q >> 4, F16), s, b);
-          const F16 halves[2] = {interleave<0>(even, odd), interleave<1>(even, odd)};
-          std::memcpy(out + k, halves, sizeof halves);
+          const F16 even = fma16(to_floats(q & 15), s, b);
+          const F16 odd = fma16(to_floats(q >> 4), s, b);
+          store_interleaved(even, odd, out + k);
           k += 32;
         } else {
-          const F16 all = fma16(__builtin_convertvector(q, F16), s, b);
+          const F16 all = fma16(to_floats(q), s, b);
           std::memcpy(out + k, &all, sizeof all);
           k += 16;
         }
