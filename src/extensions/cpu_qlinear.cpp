@@ -215,19 +215,23 @@ LANES_INLINE F16 load_floats(const S* p, int count) {
     out.part[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return out;
 #elif defined(__AVX2__) && defined(__F16C__)
-  if (count == 16) {  // the usual case: sixteen groups of a longer row
-    for (int h = 0; h < 2; ++h) {
-      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h));
-      if constexpr (std::is_same_v<S, Float16Bits>)
-        out.part[h] = _mm256_cvtph_ps(bits);
-      else
-        out.part[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-    }
-    return out;
+  S part[16];
+  if (count < 16) {  // a row's last groups: from a copy padded with zero bits (0.0)
+    for (int i = 0; i < 16; ++i) part[i] = i < count ? p[i] : S{};
+    p = part;
   }
-#endif
+  for (int h = 0; h < 2; ++h) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h));
+    if constexpr (std::is_same_v<S, Float16Bits>)
+      out.part[h] = _mm256_cvtph_ps(bits);
+    else
+      out.part[h] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  return out;
+#else
   for (int i = 0; i < count; ++i) out.set(i, to_float(p[i]));
   return out;
+#endif
 }
 
 #if defined(__AVX2__)
@@ -235,21 +239,24 @@ LANES_INLINE F16 load_floats(const S* p, int count) {
 // them is read).
 template <typename S>
 LANES_INLINE __m128 first_four(const S* p, int count) {
-  if (count < 4) {
-    alignas(16) float v[4] = {};
-    for (int i = 0; i < count; ++i) v[i] = to_float(p[i]);
+  S part[4];
+  if (count < 4) {  // from a copy padded with zero bits (0.0 in each of the types)
+    for (int i = 0; i < 4; ++i) part[i] = i < count ? p[i] : S{};
+    p = part;
+  }
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm_loadu_ps(p);
+  } else {
+    const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<S, Float16Bits>) return _mm_cvtph_ps(bits);
+#endif
+    if constexpr (std::is_same_v<S, BFloat16Bits>)
+      return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
+    alignas(16) float v[4];
+    for (int i = 0; i < 4; ++i) v[i] = to_float(p[i]);
     return _mm_load_ps(v);
   }
-  if constexpr (std::is_same_v<S, float>) return _mm_loadu_ps(p);
-  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<S, Float16Bits>) return _mm_cvtph_ps(bits);
-#endif
-  if constexpr (std::is_same_v<S, BFloat16Bits>)
-    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
-  alignas(16) float v[4];
-  for (int i = 0; i < 4; ++i) v[i] = to_float(p[i]);
-  return _mm_load_ps(v);
 }
 #endif
 
