@@ -465,12 +465,7 @@ class Int8Rows {
     // A lane's weight group, from the block's first: groups divide blocks or blocks groups.
     for (int k = 0; k < 16; ++k)  // 0 .. 3: groups of 32 weights or more
       lane_group_.set(k, static_cast<int32_t>(k * (block_weights_ / 16) / group));
-    lane_groups_ = lane_group_[15] + 1;
-    for (int64_t b = 0; b < blocks_; ++b) {
-      first_group_.push_back(b * block_weights_ / group);
-      group_count_.push_back(
-          static_cast<int>(std::min<int64_t>(16, groups_ - first_group_.back())));
-    }
+    for (int64_t b = 0; b < blocks_; ++b) first_group_.push_back(b * block_weights_ / group);
   }
   const int8_t* q(int64_t m, int64_t b) const {
     return q_.data() + (m * blocks_ + b) * block_weights_;
@@ -481,23 +476,24 @@ class Int8Rows {
   int64_t blocks() const { return blocks_; }
   // Whole blocks of a row: its first row_bytes / 64 (each lane's group lies in the row).
   int64_t whole_blocks() const { return whole_blocks_; }
-  // Lane k: the scale (or any per-group value) of the weight group that lane k of block b
-  // reads (Whole: b is a whole block, whose lanes read lane_groups_ groups).
-  template <bool Whole, typename S>
-  LANES_INLINE F16 lane_values(const S* per_group, int64_t b) const {
-    const int64_t first = first_group_[b];
-    const int count = Whole ? lane_groups_ : group_count_[b];
+  int64_t block_weights() const { return block_weights_; }
+  const int64_t* first_groups() const { return first_group_.data(); }
+  // Lane k: the scale (or any per-group value) of the weight group that lane k of a block
+  // reads, from the block's first group's at `first`; groups from the `count`-th on lie
+  // past the row (their lanes: zero).
+  template <typename S>
+  LANES_INLINE F16 lane_values(const S* first, int count) const {
     F16 out;
 #if defined(__AVX512F__)
     out.part[0] = _mm512_permutexvar_ps((__m512i)lane_group_.part[0],
-                                        load_floats(per_group + first, count).part[0]);
+                                        load_floats(first, std::min(count, 16)).part[0]);
 #elif defined(__AVX2__)
-    const __m256 values = _mm256_castps128_ps256(first_four(per_group + first, count));
+    const __m256 values = _mm256_castps128_ps256(first_four(first, count));
     for (int h = 0; h < 2; ++h)
       out.part[h] = _mm256_permutevar8x32_ps(values, (__m256i)lane_group_.part[h]);
 #else
-    for (int k = 0; k < 16; ++k)  // lanes past the row's last group: zero, as above
-      out.set(k, lane_group_[k] < count ? to_float(per_group[first + lane_group_[k]]) : 0.0f);
+    for (int k = 0; k < 16; ++k)
+      out.set(k, lane_group_[k] < count ? to_float(first[lane_group_[k]]) : 0.0f);
 #endif
     return out;
   }
@@ -507,9 +503,7 @@ class Int8Rows {
   std::vector<int8_t> q_;
   std::vector<F16> sx_, sums_;
   I16 lane_group_;
-  int lane_groups_;                   // the groups a whole block's lanes read: 1, 2 or 4
   std::vector<int64_t> first_group_;  // per block: its first weight group
-  std::vector<int> group_count_;      // and how many groups of the row lie from there (<= 16)
 };
 // ANCHOR_END: qlinear_int8_rows
 
@@ -618,26 +612,27 @@ inline I16 products(const WeightBlock& w, const int8_t* xq) {
 }
 #endif
 
-// Block b of MR rows of x against NR consecutive weight rows (row_bytes apart), into acc:
-// acc += (float(sum of q * xq) * sx) * sw, lane by lane. `count`: the block's bytes (64
-// but in a row's last block).
-template <int MR, int NR, int BITS, bool Whole, typename S>
-LANES_INLINE void int8_block(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_bytes,
-                             const S* scales, int64_t b, int count, F16 (&acc)[MR][NR]) {
-  const int64_t groups = rows.groups();
+// One block of MR rows of x (their staged xq and sx at the block) against NR consecutive
+// weight rows (w: the first one's block, row_bytes apart; scales: its block's first
+// group's, `groups` apart), into acc: acc += (float(sum of q * xq) * sx) * sw, lane by lane.
+// `count`: the block's bytes (64 but in a row's last block); `scale_count`: the groups of
+// the row from the block's first.
+template <int MR, int NR, int BITS, typename S>
+LANES_INLINE void int8_block(const Int8Rows& rows, const int8_t* const (&xq)[MR],
+                             const F16* const (&sx)[MR], const uint8_t* w, int64_t row_bytes,
+                             const S* scales, int64_t groups, int count, int scale_count,
+                             F16 (&acc)[MR][NR]) {
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r) {
     // Asked for 4 KiB ahead: this loop needs so few instructions a byte that, left to the
     // hardware prefetchers, it waited on memory (the 8-bit vocabulary projection of one
     // row took 1.4x as long without).
-    __builtin_prefetch(w + r * row_bytes + b * kBlockBytes + 4096);
-    const WeightBlock block = unpack<BITS>(w + r * row_bytes + b * kBlockBytes, count);
-    const F16 sw = rows.lane_values<Whole>(scales + r * groups, b);
+    __builtin_prefetch(w + r * row_bytes + 4096);
+    const WeightBlock block = unpack<BITS>(w + r * row_bytes, count);
+    const F16 sw = rows.lane_values(scales + r * groups, scale_count);
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const F16 sums = to_floats(products<BITS>(block, rows.q(m + i, b)));
-      acc[i][r] = fma16(sums * rows.sx(m + i, b), sw, acc[i][r]);
-    }
+    for (int i = 0; i < MR; ++i)
+      acc[i][r] = fma16(to_floats(products<BITS>(block, xq[i])) * *sx[i], sw, acc[i][r]);
   }
 }
 
@@ -650,14 +645,24 @@ LANES_INLINE void int8_block(const Int8Rows& rows, int64_t m, const uint8_t* w, 
 template <int MR, int NR, int BITS, typename S>
 void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_bytes,
                const S* scales, const S* biases, float* y, int64_t ldy) {
-  F16 acc[MR][NR] = {};
-  const int64_t whole = rows.whole_blocks();
-  for (int64_t b = 0; b < whole; ++b)
-    int8_block<MR, NR, BITS, true>(rows, m, w, row_bytes, scales, b, kBlockBytes, acc);
-  if (whole < rows.blocks())  // the row's last block, part of one
-    int8_block<MR, NR, BITS, false>(rows, m, w, row_bytes, scales, whole,
-                                    static_cast<int>(row_bytes - whole * kBlockBytes), acc);
-  const int64_t groups = rows.groups();
+  F16 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = F16{};
+  const int8_t* xq[MR];
+  const F16* sx[MR];
+  for (int i = 0; i < MR; ++i) xq[i] = rows.q(m + i, 0), sx[i] = &rows.sx(m + i, 0);
+  const int64_t groups = rows.groups(), whole = rows.whole_blocks(), step = rows.block_weights();
+  const int64_t* first = rows.first_groups();  // each block's first group
+  int64_t b = 0;
+  for (; b < whole; ++b, w += kBlockBytes) {
+    int8_block<MR, NR, BITS>(rows, xq, sx, w, row_bytes, scales + first[b], groups, kBlockBytes,
+                             static_cast<int>(groups - first[b]), acc);
+    for (int i = 0; i < MR; ++i) xq[i] += step, ++sx[i];
+  }
+  if (b < rows.blocks())  // the row's last block, part of one
+    int8_block<MR, NR, BITS>(rows, xq, sx, w, row_bytes, scales + first[b], groups,
+                             static_cast<int>(row_bytes - b * kBlockBytes),
+                             static_cast<int>(groups - first[b]), acc);
   const F16* sums[MR];
   for (int i = 0; i < MR; ++i) sums[i] = rows.sums(m + i);
   for (int r = 0; r < NR; ++r) {
@@ -668,9 +673,16 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
 }
 // ANCHOR_END: qlinear_int8_tile
 
+// Weight rows a single row of x takes at a time. With AVX-512 four (one register of
+// accumulators each: one chain of multiply-adds alone waits on each link); with two or more
+// registers to a row's lanes, one: one row of x through the default model's 576 x 1536 and
+// its 8-bit vocabulary projection took 0.6-0.8x the time of four interleaved rows on a Zen 3
+// (AVX2), one weight row after another streaming better than four side by side.
+constexpr int kSingleRowWeights = kParts == 1 ? 4 : 1;
+
 // Rows m0 .. m1 - 1 of x against the n1 weight rows at `bytes` (their scales and biases,
 // their outputs y + n): tiles of four rows of x, the rows left over against two (three or
-// two rows) or four (one row) weight rows at a time.
+// two rows) or kSingleRowWeights (one row) weight rows at a time.
 template <int BITS, typename S>
 void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1, int64_t n1,
                                    const uint8_t* bytes, int64_t row_bytes, const S* scales,
@@ -695,7 +707,8 @@ void int8_rows_against_weight_rows(const Int8Rows& rows, int64_t m0, int64_t m1,
   switch (m1 - m) {
     case 3: return rest(int8_tile<3, 2, BITS, S>, 2, int8_tile<3, 1, BITS, S>);
     case 2: return rest(int8_tile<2, 2, BITS, S>, 2, int8_tile<2, 1, BITS, S>);
-    case 1: return rest(int8_tile<1, 4, BITS, S>, 4, int8_tile<1, 1, BITS, S>);
+    case 1: return rest(int8_tile<1, kSingleRowWeights, BITS, S>, kSingleRowWeights,
+                        int8_tile<1, 1, BITS, S>);
     default: return;
   }
 }
