@@ -57,6 +57,7 @@ struct I16 {
   LANES_INLINE int32_t operator[](int i) const { return part[i / kPartLanes][i % kPartLanes]; }
   LANES_INLINE void set(int i, int32_t v) { part[i / kPartLanes][i % kPartLanes] = v; }
 };
+// ANCHOR_END: qlinear_lanes
 
 LANES_INLINE F16 operator+(F16 a, const F16& b) {
   for (int p = 0; p < kParts; ++p) a.part[p] += b.part[p];
@@ -156,7 +157,6 @@ LANES_INLINE I16 load_bytes(const uint8_t* p) {
 #endif
   return out;
 }
-// ANCHOR_END: qlinear_lanes
 
 constexpr int kBytesPerChunk = 16;  // one load of packed weights
 
