@@ -214,7 +214,7 @@ LANES_INLINE F16 load_floats(const S* p, int count) {
   else
     out.part[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   return out;
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)  // two registers
   S part[16];
   if (count < 16) {  // a row's last groups: from a copy padded with zero bits (0.0)
     for (int i = 0; i < 16; ++i) part[i] = i < count ? p[i] : S{};
@@ -583,7 +583,11 @@ LANES_INLINE I16 products(const WeightBlock& w, const int8_t* xq) {
           _mm256_madd_epi16(pairs(w.part[0][h], xq + 32 * h), ones),
           _mm256_slli_epi32(_mm256_madd_epi16(pairs(w.part[1][h], xq + 32 * h), ones), 7));
   }
+#if defined(__AVX512F__)  // (AVX-512 without VNNI: one register of sixteen lanes)
+  return I16{{(IntPart)_mm512_inserti64x4(_mm512_castsi256_si512(sum[0]), sum[1], 1)}};
+#else
   return I16{{(IntPart)sum[0], (IntPart)sum[1]}};
+#endif
 }
 #else
 struct WeightBlock {
