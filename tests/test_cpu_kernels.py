@@ -867,7 +867,8 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
                ("generic", ["-mno-avx2", "-mno-fma", "-mno-avx512f"])]
     cpuinfo = Path("/proc/cpuinfo").read_text()
     avx512 = [("avx512", ["-mavx512f", "-mavx512dq", "-mfma"], "avx512dq" in cpuinfo),
-              ("avx512vnni", ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vnni", "-mfma"],
+              ("avx512vnni", ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl",
+                              "-mavx512vnni", "-mfma"],
                "avx512dq" in cpuinfo and "avx512_vnni" in cpuinfo and "avx512bw" in cpuinfo)]
     for name, flags, runs in avx512:
         if runs:
@@ -884,8 +885,10 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
                         str(tmp_path / "harness.cpp"), str(src / "cpu_qlinear.cpp"),
                         str(src / "worker_pool.cpp"), "-lpthread"], check=True)
         builds.append(exe)
+    # 160 and 96: rows ending in part of a 64-byte block (int8's last block, at 4 and 8 bits)
     for m, n, k, group, bits in [(1, 7, 64, 32, 4), (5, 13, 576, 32, 4), (3, 9, 384, 128, 8),
-                                 (70, 33, 256, 64, 4), (2, 11, 576, 32, 8)]:
+                                 (70, 33, 256, 64, 4), (2, 11, 576, 32, 8), (1, 5, 160, 32, 4),
+                                 (2, 5, 96, 32, 8)]:
         for int8, scales in itertools.product("01", "012"):
             outs = [subprocess.run([str(exe), str(m), str(n), str(k), str(group), str(bits),
                                     int8, scales], check=True, capture_output=True).stdout

@@ -27,8 +27,9 @@ namespace {
 // register, two AVX2 ones, four NEON or SSE ones. Held as one 64-byte GCC vector instead,
 // a target without 64-byte registers kept every value on the stack and called a function
 // for each multiply-add: on an AVX2 machine (Zen 3) the kernel read its weights at 0.5-0.8
-// GB/s, where the float32 kernel reads 24. Every operation below is lane by lane, so the
-// lanes' arithmetic, and the bits, are the same whatever holds them.
+// GB/s, where the float32 kernel reads 24. The arithmetic below is lane by lane (and what
+// combines lanes, sum_lanes and the integer products, does so in a fixed order), so the
+// bits are the same whatever holds the lanes.
 #if defined(__AVX512F__)
 constexpr int kPartLanes = 16;
 #elif defined(__AVX2__)
@@ -104,7 +105,7 @@ LANES_INLINE F16 fma16(const F16& a, const F16& b, F16 c) {
 
 LANES_INLINE F16 splat(float v) {
   F16 out;
-  for (int p = 0; p < kParts; ++p) out.part[p] = FloatPart{} + v;
+  for (int p = 0; p < kParts; ++p) out.part[p] = v - FloatPart{};  // exact, -0.0 included
   return out;
 }
 
@@ -470,7 +471,7 @@ class Int8Rows {
   const int8_t* q(int64_t m, int64_t b) const {
     return q_.data() + (m * blocks_ + b) * block_weights_;
   }
-  const F16& sx(int64_t m, int64_t b) const { return sx_[m * blocks_ + b]; }
+  const F16* sx(int64_t m) const { return sx_.data() + m * blocks_; }  // row m's, a block each
   const F16* sums(int64_t m) const { return sums_.data() + m * sum_vectors_; }
   int64_t groups() const { return groups_; }
   int64_t blocks() const { return blocks_; }
@@ -548,7 +549,7 @@ LANES_INLINE WeightBlock unpack(const uint8_t* w, int count) {
     __m256i bytes = _mm256_setzero_si256();  // a half past the row's end: zero
     if (count >= 32 * (h + 1)) {
       bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
-    } else if (count > 32 * h) {  // (a row of 576 4-bit weights ends with a whole half)
+    } else if (count > 32 * h) {  // a part of a half (a 576-wide 4-bit row ends with a whole one)
       alignas(32) uint8_t tail[32] = {};
       std::memcpy(tail, w + 32 * h, count - 32 * h);
       bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
@@ -654,7 +655,7 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
     for (int r = 0; r < NR; ++r) acc[i][r] = F16{};
   const int8_t* xq[MR];
   const F16* sx[MR];
-  for (int i = 0; i < MR; ++i) xq[i] = rows.q(m + i, 0), sx[i] = &rows.sx(m + i, 0);
+  for (int i = 0; i < MR; ++i) xq[i] = rows.q(m + i, 0), sx[i] = rows.sx(m + i);
   const int64_t groups = rows.groups(), whole = rows.whole_blocks(), step = rows.block_weights();
   const int64_t* first = rows.first_groups();  // each block's first group
   int64_t b = 0;
@@ -681,7 +682,8 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
 // accumulators each: one chain of multiply-adds alone waits on each link); with two or more
 // registers to a row's lanes, one: one row of x through the default model's 576 x 1536 and
 // its 8-bit vocabulary projection took 0.6-0.8x the time of four interleaved rows on a Zen 3
-// (AVX2), one weight row after another streaming better than four side by side.
+// (AVX2), one weight row after another streaming better than four side by side (measured
+// there only; NEON and the plain build follow AVX2 unmeasured).
 constexpr int kSingleRowWeights = kParts == 1 ? 4 : 1;
 
 // Rows m0 .. m1 - 1 of x against the n1 weight rows at `bytes` (their scales and biases,
