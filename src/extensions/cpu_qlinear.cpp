@@ -468,10 +468,9 @@ class Int8Rows {
       lane_group_.set(k, static_cast<int32_t>(k * (block_weights_ / 16) / group));
     for (int64_t b = 0; b < blocks_; ++b) first_group_.push_back(b * block_weights_ / group);
   }
-  const int8_t* q(int64_t m, int64_t b) const {
-    return q_.data() + (m * blocks_ + b) * block_weights_;
-  }
-  const F16* sx(int64_t m) const { return sx_.data() + m * blocks_; }  // row m's, a block each
+  // Row m's staged xq (block_weights() bytes a block) and sx (one F16 a block).
+  const int8_t* q(int64_t m) const { return q_.data() + m * blocks_ * block_weights_; }
+  const F16* sx(int64_t m) const { return sx_.data() + m * blocks_; }
   const F16* sums(int64_t m) const { return sums_.data() + m * sum_vectors_; }
   int64_t groups() const { return groups_; }
   int64_t blocks() const { return blocks_; }
@@ -655,7 +654,7 @@ void int8_tile(const Int8Rows& rows, int64_t m, const uint8_t* w, int64_t row_by
     for (int r = 0; r < NR; ++r) acc[i][r] = F16{};
   const int8_t* xq[MR];
   const F16* sx[MR];
-  for (int i = 0; i < MR; ++i) xq[i] = rows.q(m + i, 0), sx[i] = rows.sx(m + i);
+  for (int i = 0; i < MR; ++i) xq[i] = rows.q(m + i), sx[i] = rows.sx(m + i);
   const int64_t groups = rows.groups(), whole = rows.whole_blocks(), step = rows.block_weights();
   const int64_t* first = rows.first_groups();  // each block's first group
   int64_t b = 0;
