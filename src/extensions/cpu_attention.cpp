@@ -34,8 +34,8 @@ inline Lanes8 load8(const float* p) {
 // a * b + c, rounded once where the x86 CPU has fused multiply-adds (fma8 for eight lanes,
 // fma1 for one). Spelled out there: `c + a * b` leaves the fusing to the compiler, whose
 // choice depends on the CPU it tunes for (on a Zen 3, -march=native fused fewer than
-// -mavx2 -mfma, and the two builds' bits differed). Elsewhere the compiler's contraction,
-// as before (a Mac's clang fuses it).
+// -mavx2 -mfma, and the two builds' bits differed). Elsewhere (NEON, the plain build) the
+// compiler's contraction, as before.
 inline Lanes8 fma8(Lanes8 a, Lanes8 b, Lanes8 c) {
 #if defined(__FMA__)
   return _mm256_fmadd_ps(a, b, c);
