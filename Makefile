@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ifeq ($(UNAME),Linux)
-native: $(NATIVE)/libcblas_shim.so $(NATIVE)/.ext-built
+native: $(NATIVE)/libcblas_shim.so $(NATIVE)/.ext-built build/macos-mlx/.fetched
 else
 native: $(NATIVE)/.ext-built
 endif
@@ -36,6 +36,12 @@ $(NATIVE)/.ext-built: $(EXT_SOURCES) $(STAMP)
 	$(VENV)/bin/cmake --build build/ext -j2 >> build-ext.log 2>&1 || (cat build-ext.log; exit 1)
 	rm -f $(NATIVE)/_ext*.so  # a new file, not an overwrite: running processes keep theirs
 	cp build/ext/_ext*.so $(NATIVE)/
+	touch $@
+
+# The macOS MLX headers, so that make test compiles the extension for a Mac here too
+# (tools/clang_check.py).
+build/macos-mlx/.fetched: $(STAMP)
+	$(PY) tools/clang_check.py fetch
 	touch $@
 
 # The OpenBLAS shim for MLX's float32 GEMM on Linux (book: architecture, platform facts).

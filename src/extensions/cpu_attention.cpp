@@ -2,9 +2,9 @@
 #include "cpu_attention.h"
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -19,6 +19,10 @@
 namespace tiny_llm {
 
 namespace {
+
+// Not FLT_MAX: with libc++ in C++20 a Darwin <cmath> can include <float.h> for NAN and
+// INFINITY alone, and <cfloat> then adds nothing.
+constexpr float kFloatMax = std::numeric_limits<float>::max();
 
 // ANCHOR: cpu_page_update
 // Eight floats as one value (GCC's and Clang's vector extension): arithmetic on it runs
@@ -190,7 +194,7 @@ inline void fold_page(const float* q, const float* k, const float* v, int64_t st
   const Ints8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int x = 0; x < P; ++x) {
     float* s = score + x * score_len;
-    Lanes8 maxima = Lanes8{} - FLT_MAX;  // lane j: the largest of keys j, j + 8, ...
+    Lanes8 maxima = Lanes8{} - kFloatMax;  // lane j: the largest of keys j, j + 8, ...
     for (t = 0; t < n; t += 8) {
       const Lanes8 v = load8(s + t);
       maxima = ((lane < n - t) & (v > maxima)) ? v : maxima;
@@ -393,7 +397,7 @@ void attend_chunks(const T* q, int rows, int first_pos, const T* k_pages, const 
     for (int x = 0; x < G * D; ++x)
       qf[r * G * D + x] = static_cast<float>(q[r * row_elems + x]) * g.scale;
   for (int c = c0; c < c1; ++c) {
-    std::fill(chunk.m, chunk.m + R, -FLT_MAX);
+    std::fill(chunk.m, chunk.m + R, -kFloatMax);
     std::fill(chunk.l, chunk.l + R, 0.0f);
     std::fill(chunk.acc, chunk.acc + R * D, 0.0f);
     walk_pages(qf, rows, first_pos, k_pages, v_pages, table, kv_head, G, c * kChunkPages,

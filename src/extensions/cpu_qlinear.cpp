@@ -66,10 +66,6 @@ LANES_INLINE F16 operator+(F16 a, const F16& b) {
   return a;
 }
 LANES_INLINE F16& operator+=(F16& a, const F16& b) { return a = a + b; }
-LANES_INLINE F16 operator*(F16 a, const F16& b) {
-  for (int p = 0; p < kParts; ++p) a.part[p] *= b.part[p];
-  return a;
-}
 LANES_INLINE I16 operator&(I16 a, int32_t mask) {
   for (int p = 0; p < kParts; ++p) a.part[p] &= mask;
   return a;
@@ -870,6 +866,7 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
 }
 // ANCHOR_END: qlinear
 
+#if defined(__linux__)  // only the OpenBLAS path (Linux) dequantizes whole rows
 namespace {
 
 // out[2j] = a[j] and out[2j + 1] = b[j] for the sixteen lanes: 32 floats.
@@ -931,6 +928,7 @@ void dequantize_rows(const QuantizedPart& part, const S* scales, const S* biases
 }
 
 }  // namespace
+#endif
 
 // ANCHOR: qlinear_blas_split
 void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart>& parts,

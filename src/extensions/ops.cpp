@@ -582,7 +582,7 @@ DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
         "decoder_run: n_heads must be a multiple of n_kv_heads, head_dim positive");
   check(o.rope_dims > 0 && o.rope_dims % 2 == 0 && o.rope_dims <= D,
         "decoder_run needs even rope dims <= head_dim");
-  DecoderRun run{{}, {}, o, std::get<0>(layers[0]).size()};
+  DecoderRun run{{}, {}, o, static_cast<int64_t>(std::get<0>(layers[0]).size())};
   const int64_t dim = run.dim;
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& [in_norm, qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up,

@@ -162,7 +162,7 @@ class PagedKVWrite : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "PagedKVWrite"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 // Inputs: x [M, K] and the weights w_i [N_i, K], float32. Outputs: x @ w_i^T [M, N_i].
@@ -221,7 +221,7 @@ class SwiGLU : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "SwiGLU"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 // Inputs: x [..., D] and weight [D], float32.
