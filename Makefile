@@ -55,9 +55,14 @@ $(NATIVE)/libcblas_shim.so: src/extensions/blas_shim/cblas_shim.c $(STAMP)
 chat: setup
 	$(VENV)/bin/tiny-llm chat
 
+# On Linux the suite runs twice: as it is (the CPU), then as a Mac's GPU would decide it,
+# computed on the CPU (--gpu-rehearsal: tiny_llm/device.py; the book's setup chapter).
 test: setup
 	$(VENV)/bin/ruff check src tests benches tools
 	$(PY) -m pytest tests
+ifeq ($(UNAME),Linux)
+	$(PY) -m pytest tests --gpu-rehearsal
+endif
 	$(VENV)/bin/mdbook build book
 
 lint: setup

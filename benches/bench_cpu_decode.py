@@ -68,6 +68,7 @@ from common import (
     greedy,
     load_model,
     save_results,
+    use_cpu,
 )
 from mlx.utils import tree_flatten
 
@@ -234,6 +235,7 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     args = ap.parse_args()
+    use_cpu()
     if args.quick and "--rounds" not in sys.argv:
         args.rounds = 1
     batches = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64]

@@ -56,6 +56,7 @@ from common import (
     mlx_lm_model,
     save_results,
     spread,
+    use_cpu,
 )
 
 NAME = "bench_cpu_speed"
@@ -208,6 +209,7 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
 def main() -> None:
     ap = bench_parser(__doc__)
     args = ap.parse_args()
+    use_cpu()
     if args.quick and "--rounds" not in sys.argv:
         args.rounds = 1
     model, tokenizer, model_name = load_model(args.quick)

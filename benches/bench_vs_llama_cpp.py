@@ -65,6 +65,7 @@ from common import (
     load_model,
     save_results,
     spread,
+    use_cpu,
 )
 from mlx.utils import tree_flatten
 
@@ -149,6 +150,7 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, required="--help" not in sys.argv,
                     help="path of llama.cpp's llama-bench (see the docstring)")
     args = ap.parse_args()
+    use_cpu()
     if not args.llama_bench.is_file():
         raise SystemExit(f"{args.llama_bench} is not llama-bench; see how to build it with "
                          "`python benches/bench_vs_llama_cpp.py --help`")

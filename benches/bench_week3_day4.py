@@ -60,6 +60,10 @@ the per-round medians is reported (the JSON keeps every round's). (3) runs once 
 BLAS: MLX's float32 GEMM goes through OpenBLAS (``tiny_llm`` interposes it) on one thread
 (``tiny_llm``'s default unless ``OPENBLAS_NUM_THREADS`` is set; the count is recorded).
 
+On a Mac's GPU every configuration runs on the GPU: the vector kernel is the Metal kernel
+(one run, labelled "GPU", instead of the CPU's thread counts), mx.fast and the MLX ops run
+there too, and the tables' columns say so (``common.kernel_thread_counts``).
+
     python benches/bench_week3_day4.py          # about 5 minutes on 2 cores (3 rounds)
     python benches/bench_week3_day4.py --quick  # tiny random model in part 3, writes *_quick.*
 """
@@ -89,11 +93,14 @@ import mlx.core as mx
 import numpy as np
 from common import (
     Table,
+    bench_device,
     bench_parser,
     greedy,
+    kernel_thread_counts,
     load_model,
     save_results,
     spread,
+    threads_label,
     with_threads,
 )
 
@@ -103,16 +110,20 @@ PAGE_SIZE = 16
 SCALE = HEAD_DIM**-0.5
 DTYPE = mx.float32
 
-ALL_THREADS = os.cpu_count() or 1
-KERNEL_THREADS = sorted({1, ALL_THREADS})  # the worker pool limited to 1 thread, and every core
+# On the CPU the worker pool limited to 1 thread, and every core; on a GPU one run (None).
+KERNEL_THREADS = kernel_thread_counts()
+ON_CPU = bench_device() == "cpu"
 
 
-def kernel_name(threads: int) -> str:
-    return f"vector kernel, {threads} thread{'s' if threads > 1 else ''}"
+def kernel_name(threads: int | None) -> str:
+    return f"vector kernel, {threads_label(threads)}"
 
 
-ONE = kernel_name(1)
-ALL = kernel_name(ALL_THREADS)
+ONE = kernel_name(KERNEL_THREADS[0])  # the equal-thread comparison with MLX's one thread
+ALL = kernel_name(KERNEL_THREADS[-1])  # every core (the same run where there is one)
+# What ALL is called in ratio columns, and mx.fast's own label.
+ALL_SHORT = f"kernel {threads_label(KERNEL_THREADS[-1])}" if ON_CPU else "kernel"
+FAST = "mx.fast, 1 thread" if ON_CPU else "mx.fast"
 ATTN_METHODS = ("day3 gather", "MLX reference walk", *map(kernel_name, KERNEL_THREADS),
                 "mx.fast")
 # The reference walk is skipped where batch * context exceeds this (none in the full grid:
@@ -128,7 +139,7 @@ SERVE_CONFIGS: dict[str, dict[str, Any]] = {
     "paged + MLX reference walk (Day 4)": dict(kv_cache="paged", attention="reference"),
     **{f"paged + {kernel_name(n)} (Day 4)": dict(kv_cache="paged", attention="vector",
                                                  kernel_threads=n)
-       for n in sorted(KERNEL_THREADS, reverse=True)},
+       for n in sorted(KERNEL_THREADS, key=lambda n: -(n or 0))},
 }
 MAX_NUM_SEQS = 8
 
@@ -372,7 +383,7 @@ class ServeRun:
     def __init__(self, model, tokenizer, options: dict[str, Any], prompts, max_tokens,
                  max_model_len: int):
         options = dict(options)
-        self.kernel_threads = options.pop("kernel_threads", ALL_THREADS)
+        self.kernel_threads = options.pop("kernel_threads", KERNEL_THREADS[-1])
         self.engine = engine = LLMEngine(
             model, tokenizer, max_num_seqs=MAX_NUM_SEQS, max_model_len=max_model_len,
             enable_prefix_caching=False, cpu_kernels=False, **options)
@@ -392,7 +403,7 @@ class ServeRun:
         engine = self.engine
         prompt_before = engine.stats()["num_prompt_tokens_computed"]
         copies_before = extension().pool_copies()
-        extension().set_num_threads(self.kernel_threads)
+        extension().set_num_threads(self.kernel_threads or 0)  # None (a GPU): the default
         t0 = time.perf_counter()
         try:
             outs = engine.step()
@@ -495,6 +506,34 @@ def forward_without_attention(model) -> Callable[[], mx.array]:
 # Tables, figure, main
 # --------------------------------------------------------------------------------------
 
+ONE_SHORT = f"kernel {threads_label(KERNEL_THREADS[0])}" if ON_CPU else "kernel"
+
+
+def attention_columns() -> list[tuple[str, str, Callable[[dict[str, Any]], Any]]]:
+    """Table 1's columns (header, format, value of a point), labelled by what ran: the
+    kernel at each thread count on the CPU, once on a GPU."""
+    columns = [("batch", "", lambda p: p["batch"]), ("context", "", lambda p: p["context"]),
+               ("day3 gather (ms)", ".3f", lambda p: p["ms"]["day3 gather"]),
+               ("MLX reference walk (ms)", ".3f", lambda p: p["ms"]["MLX reference walk"])]
+    columns += [(f"{kernel_name(n)} (ms)", ".3f", lambda p, n=n: p["ms"][kernel_name(n)])
+                for n in KERNEL_THREADS]
+    columns.append((f"{FAST} (ms)", ".3f", lambda p: p["ms"]["mx.fast"]))
+    if ONE != ALL:
+        columns.append((f"{ONE_SHORT} / mx.fast, both 1 thread", ".2f",
+                        lambda p: p["kernel_1t_over_fast"]))
+    columns += [
+        (f"{ALL_SHORT} / {FAST}", ".2f", lambda p: p["kernel_all_over_fast"]),
+        (f"{ALL_SHORT} / day3", ".2f", lambda p: p["kernel_over_day3"]),
+        (f"{ALL_SHORT} / reference", ".2f", lambda p: p["kernel_over_reference"]),
+        ("K+V (MiB)", ".1f", lambda p: p["kv_bytes"] / 2**20),
+    ]
+    if ONE != ALL:
+        columns.append((f"{ONE_SHORT} GB/s", ".2f", lambda p: p["kernel_1t_gb_s"]))
+    columns += [(f"{ALL_SHORT} GB/s", ".2f", lambda p: p["kernel_all_gb_s"]),
+                ("mx.fast GB/s", ".2f", lambda p: p["fast_gb_s"])]
+    return columns
+
+
 def plot(points, batches, write_points, pool_sizes, row_counts, serve_summary):
     import matplotlib
 
@@ -579,8 +618,8 @@ def main() -> None:
         pool_sizes, row_counts = (1024, 16384, 131072, 524288), (8, 64)
         num_requests, prompt_range, output_range = 8, (100, 300), (32, 48)
 
-    print(f"OpenBLAS threads: {blas_threads}; kernel threads compared: {KERNEL_THREADS}",
-          flush=True)
+    print(f"device: {bench_device()}; OpenBLAS threads: {blas_threads}; kernel threads "
+          f"compared: {[threads_label(n) for n in KERNEL_THREADS]}", flush=True)
     points = attention_sweep(batches, contexts, warmup, rounds, calls)
     t_attention = time.perf_counter() - t_start
     write_points = write_sweep(pool_sizes, row_counts, warmup, rounds, calls)
@@ -620,40 +659,32 @@ def main() -> None:
         return statistics.median(rnd[n][key] / rnd[base][key] for rnd in serve_rounds)
 
     tables = []
-    attn_rows = []
-    for p in points:
-        ms = p["ms"]
-        attn_rows.append([p["batch"], p["context"], ms["day3 gather"], ms["MLX reference walk"],
-                          ms[ONE], ms[ALL], ms["mx.fast"], p["kernel_1t_over_fast"],
-                          p["kernel_all_over_fast"], p["kernel_over_day3"],
-                          p["kernel_over_reference"], p["kv_bytes"] / 2**20,
-                          p["kernel_1t_gb_s"], p["kernel_all_gb_s"], p["fast_gb_s"]])
+    columns = attention_columns()
     skipped = [f"B={p['batch']} L={p['context']}" for p in points if p["reference_skipped"]]
     worst_err = max(e for p in points for e in p["max_abs_err_vs_kernel"].values())
+    if ON_CPU:
+        threads_note = (
+            "Threads: the vector kernel (paged_attention, tiled=False) with "
+            "extension().set_num_threads(n) for each n compared (this machine has "
+            f"{os.cpu_count()} cores; the pool splits a call only when it is large enough); "
+            "mx.fast and the MLX ops run on MLX's one CPU stream thread, OpenBLAS on "
+            f"{blas_threads} thread(s): '{ONE_SHORT} / mx.fast' is the equal-thread "
+            "comparison. ")
+    else:
+        threads_note = ("Every path ran on MLX's GPU stream: the vector kernel is the Metal "
+                        "kernel MLX's JIT compiled from the extension's launch plan. ")
     tables.append(Table(
         "1. Decode attention, one layer (9 q heads, 3 KV heads, d=64, float32, page_size 16, "
         "shuffled pages): ms per call",
-        ["batch", "context", "day3 gather (ms)", "MLX reference walk (ms)",
-         "vector kernel, 1 thread (ms)", f"vector kernel, {ALL_THREADS} threads (ms)",
-         "mx.fast, 1 thread (ms)", "kernel / mx.fast, both 1 thread",
-         f"kernel {ALL_THREADS} threads / mx.fast 1 thread",
-         f"kernel {ALL_THREADS} threads / day3", f"kernel {ALL_THREADS} threads / reference",
-         "K+V (MiB)", "kernel 1 thread GB/s", f"kernel {ALL_THREADS} threads GB/s",
-         "mx.fast GB/s"],
-        attn_rows,
-        ["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", ".2f", ".2f", ".2f", ".1f", ".2f",
-         ".2f", ".2f"],
+        [h for h, _, _ in columns],
+        [[get(p) for _, _, get in columns] for p in points],
+        [f for _, f, _ in columns],
         note=(
             f"Median over {rounds} round(s) of the medians of {calls} interleaved calls, "
             f"after {warmup} warmup. day3 gather = per sequence PagePool.gather + "
             "causal_attention (Day 3's attend without its write); mx.fast runs on K/V "
-            "gathered beforehand into [B, Hkv, L, D] (no gather cost). Threads: the vector "
-            "kernel (paged_attention, tiled=False) with extension().set_num_threads(1) and "
-            f"({ALL_THREADS}) (this machine's cores; the pool splits a call only when it is "
-            "large enough); mx.fast and the MLX ops run on MLX's one CPU stream thread, "
-            f"OpenBLAS on {blas_threads} thread(s): 'kernel / mx.fast, both 1 thread' is the "
-            "equal-thread comparison. GB/s = bytes of K and V that must be read / time. "
-            "Reference walk "
+            "gathered beforehand into [B, Hkv, L, D] (no gather cost). " + threads_note
+            + "GB/s = bytes of K and V that must be read / time. Reference walk "
             + (f"skipped at {', '.join(skipped)} (B x L > {REF_MAX_KEYS})" if skipped
                else "run at every point")
             + f". All paths agree with the kernel to {worst_err:.1e} (max abs)."
@@ -678,7 +709,9 @@ def main() -> None:
             "evaluation (the kernel backends' pattern); day3: PagePool.write (MLX indexed "
             "assignment, in place when the pool is donatable); 'old pool kept' is a control "
             f"that must copy (run up to {CONTROL_MAX_SLOTS} slots). Pool copies counted by "
-            "extension().pool_copies() over the timed calls (2 per call = K and V). Median "
+            "extension().pool_copies() over the timed calls (2 per call = K and V"
+            + ("" if ON_CPU else "; on a GPU the write is MLX's scatter, which counts none")
+            + "). Median "
             f"over {rounds} round(s) of the medians of {calls} interleaved calls "
             f"({max(1, calls // 2)} for pools above 16k slots and for the control)."
         ),
@@ -731,10 +764,13 @@ def main() -> None:
                if same_tokens else "THE CONFIGURATIONS PRODUCED DIFFERENT TOKENS.")
             + " The engines ran side by side, taking turns step by step (rotating who "
             "goes first); tok/s = tokens / the sum of that engine's step times; medians of "
-            f"{rounds} round(s), ratios the medians of per-round ratios. Kernel threads: "
-            "extension().set_num_threads(n) around each of that engine's steps (the other "
-            "engines' MLX ops run on one thread); every engine with cpu_kernels=False, so "
-            f"they differ in attention alone. For scale: the model forward for "
+            f"{rounds} round(s), ratios the medians of per-round ratios. "
+            + ("Kernel threads: extension().set_num_threads(n) around each of that engine's "
+               "steps (the other engines' MLX ops run on one thread); every engine with "
+               "cpu_kernels=False, so they differ in attention alone. " if ON_CPU else
+               "Every engine on the GPU (the kernel: the Metal vector schedule), so they "
+               "differ in attention alone. ")
+            + f"For scale: the model forward for "
             f"{MAX_NUM_SEQS} decode tokens with attention replaced by the identity, timed "
             f"once per turn alongside the engines, takes {no_attention_ms:.0f} ms (median)."
         ),

@@ -130,14 +130,17 @@ import numpy as np
 from common import (
     GemmProbe,
     Table,
+    bench_device,
     bench_parser,
     greedy,
+    kernel_thread_counts,
     lap,
     load_model,
     mlx_lm_model,
     percentile,
     save_results,
     spread,
+    threads_label,
     with_threads,
 )
 from mlx.utils import tree_flatten
@@ -147,8 +150,9 @@ PAGE_SIZE = 16
 HEADS = (9, 3, 64)  # SmolLM2: query heads, KV heads, head_dim
 MAX_NUM_SEQS = 8
 NO_CHUNK_BUDGET = 4096
-ALL_THREADS = os.cpu_count() or 1
-THREADS = sorted({1, ALL_THREADS})
+# The kernels' thread counts on the CPU (1 and every core); one run (None) on a GPU.
+THREADS = kernel_thread_counts()
+ON_CPU = bench_device() == "cpu"
 
 FULL = dict(
     attn_queries=[64, 256, 1024],
@@ -263,12 +267,17 @@ class StubTokenizer:
 # ------------------------------------------------------------------ 1. prefill attention
 
 
-def vector_name(threads: int) -> str:
-    return f"Day 4 vector kernel, {threads}T"
+def short(threads: int | None) -> str:
+    """"1T", "2T", or on a GPU "GPU": what ran."""
+    return f"{threads}T" if threads is not None else threads_label(None)
 
 
-def tiled_name(threads: int) -> str:
-    return f"Day 5 tiled kernel, {threads}T"
+def vector_name(threads: int | None) -> str:
+    return f"Day 4 vector kernel, {short(threads)}"
+
+
+def tiled_name(threads: int | None) -> str:
+    return f"Day 5 tiled kernel, {short(threads)}"
 
 
 def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, Any]], Table]:
@@ -336,41 +345,48 @@ def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, A
         d = dict(query_len=L, context=S, times=times, median_s=t, max_abs_err=errors,
                  spread={name: spread(v) for name, v in times.items()})
         data.append(d)
-        one, every = THREADS[0], THREADS[-1]
         ref, tref = t.get("MLX reference walk"), t.get("MLX tiled reference walk")
-        rows.append([L, S, t[vector_name(one)] * 1e3, t[vector_name(every)] * 1e3,
-                     t[tiled_name(one)] * 1e3, t[tiled_name(every)] * 1e3, t["mx.fast"] * 1e3,
+        rows.append([L, S, *(t[vector_name(n)] * 1e3 for n in THREADS),
+                     *(t[tiled_name(n)] * 1e3 for n in THREADS), t["mx.fast"] * 1e3,
                      None if ref is None else ref * 1e3, None if tref is None else tref * 1e3,
-                     t[tiled_name(one)] / t[vector_name(one)],
-                     t[tiled_name(every)] / t[vector_name(every)],
-                     t[tiled_name(one)] / t["mx.fast"], t[tiled_name(every)] / t["mx.fast"],
+                     *(t[tiled_name(n)] / t[vector_name(n)] for n in THREADS),
+                     *(t[tiled_name(n)] / t["mx.fast"] for n in THREADS),
                      max(errors.values())])
         print(f"  attention L={L} S={S}: " + ", ".join(
             f"{k} {v * 1e3:.1f} ms" for k, v in t.items()), flush=True)
         del k_pages, v_pages, k_dense, v_dense, mask
     skipped = [f"{q}x{s}" for q in sz["attn_queries"] for s in sz["attn_contexts"]
                if q <= s and q * s > sz["attn_max_units"]]
-    n = ALL_THREADS
+    fast = "mx.fast (1T)" if ON_CPU else "mx.fast"
+    if ON_CPU:
+        threads_note = (
+            "page); " + " / ".join(map(short, THREADS)) + ": the extension's worker pool "
+            "limited to " + " / ".join(threads_label(n) for n in THREADS) + " "
+            "(set_num_threads). mx.fast: mx.fast.scaled_dot_product_attention on contiguous "
+            "dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] mask), on "
+            "MLX's one CPU stream thread with OpenBLAS on one thread: compare it with the 1T "
+            "kernels. ")
+    else:
+        threads_note = (
+            "page), the Metal kernels MLX's JIT compiles from the extension's launch plans. "
+            "mx.fast: mx.fast.scaled_dot_product_attention on contiguous dense K/V "
+            "(mask='causal' when L == S, else an explicit boolean [L, S] mask), on the GPU "
+            "too. ")
     table = Table(
         f"1. Tiles vs vectors: prefill attention, one layer ({hq} q / {hkv} kv heads, "
         f"head_dim {hd}, float32, page_size {PAGE_SIZE}, shuffled pages), a query of L "
         f"tokens at the end of a context of S tokens (ms)",
-        ["L", "S", "Day 4 vector kernel, 1T", f"Day 4 vector kernel, {n}T",
-         "Day 5 tiled kernel, 1T", f"Day 5 tiled kernel, {n}T", "mx.fast (1T)",
-         "MLX reference walk", "MLX tiled reference walk", "tiled / vector, 1T",
-         f"tiled / vector, {n}T", "tiled 1T / mx.fast (equal threads)",
-         f"tiled {n}T / mx.fast 1T", "max abs err"],
+        ["L", "S", *map(vector_name, THREADS), *map(tiled_name, THREADS), fast,
+         "MLX reference walk", "MLX tiled reference walk",
+         *(f"tiled / vector, {short(n)}" for n in THREADS),
+         *(f"tiled {short(n)} / {fast}" + (" (equal threads)" if n == 1 else "")
+           for n in THREADS), "max abs err"],
         rows,
-        ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ".1f", ".1f", ".2f", ".2f", ".2f", ".2f",
-         ".1e"],
+        ["", "", *[".2f"] * (2 * len(THREADS) + 1), ".1f", ".1f",
+         *[".2f"] * (2 * len(THREADS)), ".1e"],
         "Day 4 vector kernel: paged_attention (tiled=False, every row walks its pages); Day 5 "
         "tiled kernel: paged_attention (tiled=True, 16-row query tiles share each "
-        "page); 1T / "
-        f"{n}T: the extension's worker pool limited to 1 thread / {n} threads "
-        "(set_num_threads). mx.fast: mx.fast.scaled_dot_product_attention on contiguous "
-        "dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] mask), on "
-        "MLX's one CPU stream thread with OpenBLAS on one thread: compare it with the 1T "
-        "kernels. MLX reference walks: the page walk (Day 4) and the tiled walk (Day 5) in "
+        + threads_note + "MLX reference walks: the page walk (Day 4) and the tiled walk (Day 5) in "
         f"MLX ops, run only where L x S <= {sz['ref_max_units']} ('–' elsewhere). Median "
         f"of {rounds} interleaved rounds, each after one warmup call. Max abs err: largest "
         "of every implementation vs mx.fast."
@@ -432,8 +448,9 @@ def ttft_long(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
         rows,
         ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ""],
         "One request, random token ids, max_tokens=1, otherwise engine defaults (paged, "
-        "prefix caching on, nothing to hit); the kernels on every core "
-        f"({ALL_THREADS} threads). TTFT: wall time from the first step to the token, median "
+        "prefix caching on, nothing to hit); the kernels "
+        + (f"on every core ({os.cpu_count()} threads)" if ON_CPU else "on the GPU")
+        + ". TTFT: wall time from the first step to the token, median "
         f"of {rounds} round(s) (the paths' order rotating); vector / tiled: median of "
         "per-round ratios. The MLX walks are not run above "
         f"{sz['ttft_ref_max']} tokens ('–'): they copy a page per query row (or per tile) "
@@ -905,7 +922,7 @@ def make_figure(attn: list[dict], ttft: list[dict], prog: dict[str, Any]) -> Any
     ax.set_yscale("log")
     ax.set_xlabel("context S (tokens)")
     ax.set_ylabel("ms (one layer)")
-    ax.set_title("Prefill attention: L query tokens at the end of S (1 thread)")
+    ax.set_title(f"Prefill attention: L query tokens at the end of S ({threads_label(one)})")
     ax.legend(fontsize=6, ncol=2)
 
     ax = axes[0][1]

@@ -19,6 +19,13 @@
   (phase timings) and ``openblas_threads``.
 - OpenBLAS threads: ``tiny_llm`` sets ``OPENBLAS_NUM_THREADS=1`` unless it is already set;
   ``environment()`` records the variable and the thread count OpenBLAS reports.
+- The device: a script runs on MLX's default device (a Mac's GPU, elsewhere the CPU) and
+  records it (``bench_device``); what exists only on one device is chosen by it and labelled
+  by what ran: the extension's thread counts on the CPU, one GPU run on a GPU
+  (``kernel_thread_counts``, ``threads_label``). A benchmark of the CPU path itself (thread
+  counts, OpenBLAS, the CPU kernels) calls ``use_cpu()`` and measures the CPU on any machine.
+  Under the GPU rehearsal (``TINY_LLM_GPU_REHEARSAL=1``) the GPU's configurations run on the
+  CPU and are labelled so: their times are not a GPU's.
 """
 
 from __future__ import annotations
@@ -102,14 +109,55 @@ def bench_parser(doc: str | None, rounds: int = 3) -> argparse.ArgumentParser:
     return ap
 
 
-def with_threads(fn: Callable[[], Any], threads: int) -> Callable[[], Any]:
+def bench_device() -> str:
+    """What a script's times are of: "cpu", "gpu", or "gpu rehearsal" (the GPU's
+    configurations run on the CPU: its decisions, not its speed)."""
+    from tiny_llm.device import plans_for_gpu, rehearsing_gpu
+
+    if rehearsing_gpu():
+        return "gpu rehearsal"
+    return "gpu" if plans_for_gpu() else "cpu"
+
+
+def use_cpu() -> None:
+    """Run this script on the CPU, whatever MLX's default device: for benchmarks of the CPU
+    path (thread counts, OpenBLAS, the CPU kernels), which on a Mac measure its CPU."""
+    from tiny_llm.device import set_gpu_rehearsal
+
+    import mlx.core as mx
+
+    mx.set_default_device(mx.cpu)
+    set_gpu_rehearsal(False)
+
+
+def kernel_thread_counts() -> list[int | None]:
+    """The extension's thread counts a script compares: on the CPU its worker pool limited
+    to 1 thread and every core; on a GPU one run (None), the GPU having no such setting."""
+    if bench_device() == "cpu":
+        return sorted({1, os.cpu_count() or 1})
+    return [None]
+
+
+def threads_label(threads: int | None) -> str:
+    """"1 thread", "2 threads", or on a GPU what ran ("GPU", "GPU rehearsal")."""
+    if threads is None:
+        return "GPU rehearsal" if bench_device() == "gpu rehearsal" else "GPU"
+    return f"{threads} thread{'s' if threads > 1 else ''}"
+
+
+def with_threads(fn: Callable[[], Any], threads: int | None) -> Callable[[], Any]:
     """``fn`` evaluated with the kernel extension's worker pool limited to ``threads`` (the
-    op reads the setting when it runs, so evaluate before restoring the default)."""
+    op reads the setting when it runs, so evaluate before restoring the default); None, on
+    a GPU: ``fn`` evaluated as it is."""
     from tiny_llm.extension import extension
 
     import mlx.core as mx
 
     def run():
+        if threads is None:
+            out = fn()
+            mx.eval(out)
+            return out
         ext = extension()
         ext.set_num_threads(threads)
         try:
@@ -382,6 +430,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "mlx_version": mlx_version,
         "mlx_device": str(mx.default_device()),
+        "device": bench_device(),
+        "device_name": (mx.device_info().get("device_name") if bench_device() == "gpu"
+                        else platform.processor() or platform.machine()),
         "openblas_interposed": openblas_loaded(),
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "openblas_threads": openblas_threads(),  # what OpenBLAS reports now
@@ -423,15 +474,24 @@ def render_markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     parts.append(
         f"<small>Measured {env['date']} on {env['platform']}, {env['cpu_count']} CPUs "
-        f"(load average {env['load_avg_1m']}), "
-        f"mlx {env['mlx_version']} ({env['mlx_device']}), "
-        f"OpenBLAS interposed: {'yes' if env['openblas_interposed'] else 'no'}, "
+        f"(load average {env['load_avg_1m']}), mlx {env['mlx_version']} "
+        f"{_device_words(env)}, "
         f"commit {env['git_commit']}{' (modified)' if env['git_dirty'] else ''}; "
         f"median of {result.get('rounds', 1)} rounds"
         f"{' (a long run)' if result.get('long') else ''}; "
         f"`{env['command']}`.</small>"
     )
     return "\n\n".join(parts) + "\n"
+
+
+def _device_words(env: dict[str, Any]) -> str:
+    device = env.get("device", "cpu")  # results from before the device was recorded: CPU
+    if device == "gpu":
+        return f"on the GPU ({env.get('device_name')})"
+    words = "on the CPU, OpenBLAS interposed: " + ("yes" if env["openblas_interposed"] else "no")
+    if device == "gpu rehearsal":
+        words += ", in the GPU rehearsal (a GPU's configurations timed on the CPU)"
+    return words
 
 
 def save_results(name: str, data: dict[str, Any], tables: list[Table], figure: Any = None,

@@ -12,12 +12,19 @@ Course options (the book's setup chapter):
   workspace. Same as ``TINY_LLM_LEARNER=1``.
 - ``--task 3.2`` keeps the tests of one course task (a test says which tasks it checks
   with ``@pytest.mark.task("3.2")``); ``-k task_2`` does the same within a day's file.
+
+``--gpu-rehearsal`` (or ``TINY_LLM_GPU_REHEARSAL=1``) runs the tests as a Mac's GPU would
+decide them, computing on the CPU (``tiny_llm.device``); ``make test`` runs the suite once
+more that way. A test that cannot hold on a GPU is skipped with ``skip_on_gpu(reason)``; a
+test no device decision reaches (compilers, the book, the emulator's own machinery) is
+marked ``device_independent`` and left to the main pass.
 """
 
 import os
 
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
-from tiny_llm import learner
+from tiny_llm import device, learner
+from tiny_llm.testing.devices import cpu_device, gpu_decisions  # noqa: F401  (fixtures)
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -32,6 +39,9 @@ def pytest_addoption(parser):
                     help="run on this workspace instead of workspace/")
     group.addoption("--task", action="append", default=[], metavar="ID",
                     help="only the tests of course task ID (e.g. 3.2); repeatable")
+    parser.addoption("--gpu-rehearsal", action="store_true",
+                     help="take the GPU's decisions while computing on the CPU "
+                          "(tiny_llm.device; same as TINY_LLM_GPU_REHEARSAL=1)")
 
 
 def pytest_configure(config):
@@ -41,27 +51,37 @@ def pytest_configure(config):
     elif config.getoption("--learner") and os.environ.get(learner.ENV, "0") == "0":
         os.environ[learner.ENV] = "1"
     config.addinivalue_line("markers", "task(*ids): the course tasks this test checks")
+    config.addinivalue_line("markers", "device_independent: no device decision reaches this "
+                            "test; the GPU rehearsal leaves it to the main pass")
+    if config.getoption("--gpu-rehearsal"):
+        device.set_gpu_rehearsal(True)
 
 
 def pytest_report_header(config):
+    lines = []
+    if device.rehearsing_gpu():
+        lines.append("GPU rehearsal: the GPU's decisions, computed on the CPU")
     ws = learner.workspace()
     if ws is None:
-        return None
+        return lines
     mine = learner.learner_modules()
     kernels = (ws / "extensions").is_dir()
-    return (f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
-            f"{' and your extension' if kernels else ''}; the reference elsewhere")
+    return lines + [f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
+                    f"{' and your extension' if kernels else ''}; the reference elsewhere"]
 
 
 def pytest_collection_modifyitems(config, items):
     wanted = set(config.getoption("--task"))
+    rehearsal = device.rehearsing_gpu()
     kept, dropped = [], []
     for item in items:
         ids = {i for m in item.iter_markers("task") for i in m.args}
         for task_id in ids:
             day, number = task_id.split(".")
             item.extra_keyword_matches.update({f"task_{number}", f"task_{day}_{number}"})
-        (kept if not wanted or ids & wanted else dropped).append(item)
+        keep = (not wanted or ids & wanted) and not (
+            rehearsal and item.get_closest_marker("device_independent"))
+        (kept if keep else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -14,7 +14,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
 CORE = {"model", "moe", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
-        "extension", "cpu_kernels", "cpu_fused", "generate", "blas", "learner"}  # fmt: skip
+        "extension", "cpu_kernels", "cpu_fused", "generate", "blas", "learner",
+        "device"}  # fmt: skip
 OPTIONAL = {"speculative"}  # the optional chapters: the core and any day, never the engine
 TOP = {"engine", "cli", "course", "server", "__init__"}
 DAY = re.compile(r"day(\d+)_")

@@ -48,3 +48,32 @@ def test_quick_outputs_are_git_ignored():
         pytest.skip(f"git check-ignore failed: {proc.stderr.strip()}")
     ignored = set(proc.stdout.split())
     assert ignored == set(paths), ".gitignore must ignore benchmark_results/*_quick.*"
+
+
+def common_module():
+    sys.path.insert(0, str(ROOT / "benches"))
+    import common
+
+    return common
+
+
+def test_on_the_cpu_benchmarks_compare_thread_counts(cpu_device):
+    common = common_module()
+    assert common.bench_device() == "cpu"
+    assert common.kernel_thread_counts() == sorted({1, os.cpu_count() or 1})
+    assert [common.threads_label(n) for n in (1, 2)] == ["1 thread", "2 threads"]
+    env = common.environment()
+    assert env["device"] == "cpu"
+    assert "on the CPU, OpenBLAS interposed" in common._device_words(env)
+
+
+def test_where_the_gpu_decides_benchmarks_run_once_and_say_what_ran(gpu_decisions):
+    common = common_module()
+    rehearsal = common.bench_device() == "gpu rehearsal"
+    assert common.bench_device() == ("gpu rehearsal" if rehearsal else "gpu")
+    assert common.kernel_thread_counts() == [None]  # no thread counts on a GPU
+    assert common.threads_label(None) == ("GPU rehearsal" if rehearsal else "GPU")
+    words = common._device_words(common.environment())
+    assert ("timed on the CPU" in words) if rehearsal else words.startswith("on the GPU (")
+    # An older result, recorded before the device was: the CPU, as it was measured on.
+    assert common._device_words({"openblas_interposed": True}).startswith("on the CPU")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.device_independent  # the book's sources and build
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 SRC = BOOK / "src"

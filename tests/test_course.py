@@ -155,6 +155,7 @@ def switchable_extension(tmp_path_factory) -> Path:
 
 
 @needs_linux_compiler
+@pytest.mark.device_independent  # C++ tasks are the CPU's kernels, checked on the CPU
 @pytest.mark.parametrize("task", CPP_TASKS, ids=lambda t: t.id)
 def test_stubbing_a_cpp_task_alone_fails_its_tests(task, switchable_extension):
     output = failing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": task.id})
@@ -162,6 +163,7 @@ def test_stubbing_a_cpp_task_alone_fails_its_tests(task, switchable_extension):
 
 
 @needs_linux_compiler
+@pytest.mark.device_independent  # C++ tasks are the CPU's kernels, checked on the CPU
 def test_the_fully_stubbed_extension_builds_and_raises_the_first_tasks_error(tmp_path):
     from tiny_llm.testing.paged import make_paged_case
 

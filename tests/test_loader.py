@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 import tiny_llm.loader as loader
+from tiny_llm.device import on_cpu
+from tiny_llm.engine import LLMEngine
 from tiny_llm.generate import stream_generate
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.loader import (
@@ -38,8 +40,9 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 # measured 1.0e-4 on an AVX-512 machine and 1.3e-4 on an AVX2 one.
 ATOL = 3e-4
 GREEDY_TOKENS = 32
-# load()'s defaults on the CPU (float32, dequantized); a GPU defaults to float16 and packed
-# weights, so ask for the CPU's explicitly there to keep the float32 comparisons.
+# load()'s defaults on the CPU (float32, dequantized); a GPU defaults to the checkpoint's
+# dtype and packed weights, so ask for the CPU's explicitly there to keep the float32
+# comparisons.
 FLOAT32 = {} if loader.on_cpu() else {"dtype": mx.float32, "dequantize": True}
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 
@@ -106,6 +109,14 @@ def test_default_load_is_smollm2_dequantized_to_float32_on_cpu(smollm):
     assert not quantized_modules(model)
     assert tokenizer.decode(ids).startswith("<|im_start|>system\n")
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_on_a_gpu_the_default_gguf_stays_packed_in_its_float16(gpu_decisions):
+    """The GGUF keeps float16 scales (its norms float32): float16, the weights packed."""
+    model, _ = loader.load()
+    assert float_dtypes(model) == {mx.float16}
+    modules = quantized_modules(model)
+    assert {(m.bits, m.group_size) for m in modules.values()} == {(4, 32), (8, 32)}
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +319,58 @@ def test_hf_sharded_folder_loads_and_matches_mlx_lm(qwen3_folder):
     got = forward(model, tokens)
     assert expected.std().item() > 0.5
     assert max_diff(got, expected) <= ATOL
+
+
+def float_dtypes(model: nn.Module) -> set[mx.Dtype]:
+    return {v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype != mx.uint32}
+
+
+# (the checkpoint's float tensors, the dtype "auto" gives on a GPU)
+CHECKPOINT_DTYPES = [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16),
+                     (mx.float32, mx.bfloat16)]
+
+
+@pytest.mark.parametrize("stored,on_gpu", CHECKPOINT_DTYPES,
+                         ids=["bfloat16", "float16", "float32"])
+def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, on_gpu):
+    """MLX-community checkpoints (Qwen3's) are bfloat16: float16 would round their range
+    away (activations overflow). "auto" keeps a checkpoint's half dtype on a GPU, takes
+    bfloat16 for float32 ones, float32 on a CPU; an explicit dtype wins everywhere."""
+    ref = mlx_lm_model(TINY_QWEN3)
+    ref.load_weights(list(random_params(ref, seed=5).items()))
+    nn.quantize(ref, group_size=64, bits=4)
+    weights = {k: v if v.dtype == mx.uint32 else v.astype(stored)
+               for k, v in tree_flatten(ref.parameters())}
+    folder = tmp_path / "tiny-qwen3-4bit"
+    write_hf_folder(folder, dict(TINY_QWEN3, quantization={"group_size": 64, "bits": 4}),
+                    weights)
+    assert loader.checkpoint_dtype(weights) == stored
+
+    model, tokenizer = loader.load(folder)
+    assert float_dtypes(model) == {on_gpu}
+    assert quantized_modules(model), "a GPU keeps quantized weights packed"
+    tokens = tokens_for(tokenizer)
+    logits = forward(model, tokens)
+    assert logits.dtype == on_gpu
+    oracle, _ = mlx_lm_load_model(folder)  # mlx-lm's Qwen3 on the same weights ...
+    oracle.set_dtype(on_gpu)  # ... in the same dtype
+    want = oracle(tokens[None])[0].astype(mx.float32)
+    error = mx.abs(logits.astype(mx.float32) - want).mean() / mx.abs(want).mean()
+    assert error.item() < 1e-3, f"{stored}: logits off by {error.item():.2%} on average"
+    explicit, _ = loader.load(folder, dtype="float16")
+    assert float_dtypes(explicit) == {mx.float16}
+    engine = LLMEngine(model, tokenizer, max_model_len=64, num_pages=16)
+    assert engine.kv.pool.k[0].dtype == on_gpu  # the KV pool follows the model
+    with on_cpu():
+        cpu_model, _ = loader.load(folder)
+    assert float_dtypes(cpu_model) == {mx.float32} and not quantized_modules(cpu_model)
+
+
+def test_a_bad_dtype_is_refused_before_the_checkpoint_is_read(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be 'auto', 'float16', 'bfloat16' or"):
+        loader.load(tmp_path / "no-such-model", dtype="fp8")
+    with pytest.raises(ValueError, match="dtype must be"):
+        LLMEngine.from_pretrained(str(tmp_path / "no-such-model"), dtype=mx.int8)
 
 
 def test_mlx_community_4bit_folder(tmp_path):

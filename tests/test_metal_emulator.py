@@ -25,6 +25,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,14 +50,15 @@ from metal_emulator import (  # noqa: E402
     kernel_source,
     lint_metal,
     lint_source,
+    mlx_printed_source,
     run_plan,
     run_schedules,
 )
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not sys.platform.startswith("linux") or shutil.which("g++") is None,
     reason="the Metal emulator needs Linux and g++ (on a Mac, test on the GPU instead)",
-)
+), pytest.mark.device_independent]
 
 EXAMPLES = REPO / "tools" / "metal_emulator" / "examples"
 CASES = Path(__file__).resolve().parent / "metal_cases"
@@ -297,11 +299,7 @@ class FakeArray:
         self.ndim, self.size = len(shape), int(np.prod(shape))
 
 
-def test_kernel_source_is_what_mlx_writes() -> None:
-    # Written out from write_signature / write_template / make_template_hash in
-    # mlx/backend/common/metal_kernel.cpp (MLX 0.32): small inputs go to `constant`, a 0-d
-    # input is a reference, `_shape` buffers follow their input when the body names them,
-    # attributes the body names come last (in MLX's order), bools print as 0/1.
+def demo_plan(**changes: Any) -> dict[str, Any]:
     plan = {
         "name": "demo",
         "input_names": ["x", "lens", "alpha"],
@@ -309,12 +307,25 @@ def test_kernel_source_is_what_mlx_writes() -> None:
         "source": "  y[thread_position_in_grid.x] = x[0] * alpha + x_shape[0] + lens[0]"
                   " + simdgroup_index_in_threadgroup;",
         "header": "#include <metal_stdlib>\nusing namespace metal;\n",
+        "ensure_row_contiguous": True,
         "atomic_outputs": False,
         "inputs": [FakeArray((4, 8), "mlx.core.float16"), FakeArray((3,), "mlx.core.int32"),
                    FakeArray((), "mlx.core.float32")],
+        "output_shapes": [(32,)],
         "output_dtypes": ["mlx.core.float32"],
+        "grid": (32, 1, 1),
+        "threadgroup": (32, 1, 1),
         "template_args": [("T", "mlx.core.bfloat16"), ("N", 4), ("B", True)],
     }  # fmt: skip
+    return {**plan, **changes}
+
+
+def test_kernel_source_is_what_mlx_writes() -> None:
+    # Read from write_signature / write_template / make_template_hash in
+    # mlx/backend/common/metal_kernel.cpp (MLX 0.32): small inputs go to `constant`, a 0-d
+    # input is a reference, `_shape` buffers follow their input when the body names them,
+    # attributes the body names come last (in MLX's order), bools print as 0/1.
+    plan = demo_plan()
     name = "custom_kernel_demo__bfloat16_t_4_1_float16_t_int32_tc_floats_float"
     assert kernel_source(plan) == (name, plan["header"] + f"""template <typename T, int N, bool B>
 [[kernel]] void {name}(
@@ -331,6 +342,26 @@ def test_kernel_source_is_what_mlx_writes() -> None:
 template [[host_name("{name}")]] [[kernel]] decltype({name}<bfloat16_t, 4, 1>) \
 {name}<bfloat16_t, 4, 1>;
 """)
+
+
+LIVE_VARIANTS = {
+    "as above": {},
+    "no template, atomic output": dict(template_args=[], atomic_outputs=True),
+    "8 elements are device memory": dict(inputs=[
+        FakeArray((2, 4), "mlx.core.bfloat16"), FakeArray((8,), "mlx.core.int32"),
+        FakeArray((1,), "mlx.core.uint32")]),
+    "strides, ndim and grid attributes": dict(
+        source="  y[threads_per_grid.x] = x_strides[0] + x_ndim + thread_index_in_simdgroup;",
+        output_dtypes=["mlx.core.float16"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(LIVE_VARIANTS))
+def test_kernel_source_is_what_the_installed_mlx_prints(variant: str) -> None:
+    """MLX itself, asked for the text it would compile (``mlx_printed_source``): a new MLX
+    that writes its kernels differently fails here before any Mac sees it."""
+    plan = demo_plan(**LIVE_VARIANTS[variant])
+    assert kernel_source(plan)[1] == mlx_printed_source(plan)
 
 
 AXPY_HEADER = """#include <metal_stdlib>
@@ -431,6 +462,8 @@ BAD_SNIPPETS = [
     ("out[tid] = t[0];", "out[tid] = [&](float a) { return a; }(t[0]);", "rule 10"),
     ("out[tid] = t[0];", "simdgroup_matrix<float, 4, 4> m;\n  out[tid] = t[0];", "rule 10"),
     ("out[tid] = t[0];", "atomic_fetch_add_explicit(out, 1.0f, memory_order_relaxed);", "rule 10"),
+    ("out[tid] = t[0];", "simdgroup_matrix<float, 8, 8> m;\n  "
+     "simdgroup_load(m, out, 16, ulong2(8, 0), true);\n  out[tid] = t[0];", "rule 10"),
 ]
 
 

@@ -45,9 +45,11 @@ from tiny_llm.testing.paged import float64_reference, make_paged_case  # noqa: E
 
 from metal_emulator import (  # noqa: E402
     DEFAULT_SCHEDULES,
+    bfloat16_to_float32,
     kernel_source,
     lint_metal,
     lint_source,
+    mlx_printed_source,
     run_plan,
 )
 
@@ -76,7 +78,7 @@ class MetalCase:
     """One ragged batch: ``seqs`` is a list of (context_len, query_len)."""
 
     name: str
-    dtype: str  # "float" | "half"
+    dtype: str  # "float" | "half" | "bfloat"
     head_dim: int
     group: int  # query heads per KV head (GQA ratio)
     n_kv_heads: int
@@ -94,8 +96,10 @@ class MetalCase:
         return sum(q for _, q in self.seqs)
 
     @property
-    def np_dtype(self) -> type:
-        return {"float": np.float32, "half": np.float16}[self.dtype]
+    def mx_dtype(self) -> Any:
+        import mlx.core as mx
+
+        return {"float": mx.float32, "half": mx.float16, "bfloat": mx.bfloat16}[self.dtype]
 
     def __str__(self) -> str:
         return self.name
@@ -120,12 +124,19 @@ CASES = [
     MetalCase("smollm2_f32_9q3kv", "float", 64, 3, 3, 16,
               ((17, 1), (40, 23), (5, 1), (16, 16), (33, 1)), seed=7),
     MetalCase("smollm2_f16_9q3kv", "half", 64, 3, 3, 16, ((70, 1), (24, 24), (9, 2)), seed=8),
+    # bfloat16, as a GPU loads bf16 checkpoints: the default model's geometry, and
+    # Qwen3-0.6B's (16 query heads over 8 KV heads, head_dim 128).
+    MetalCase("smollm2_bf16_9q3kv", "bfloat", 64, 3, 3, 16, ((33, 1), (24, 11), (9, 1)),
+              seed=10),
+    MetalCase("qwen3_0.6b_bf16_16q8kv", "bfloat", 128, 2, 8, 16, ((40, 1), (19, 5)), seed=11),
     # A group that does not divide the 64 pairs of a tile: 12 rows of 5 heads, 4 pairs idle.
     MetalCase("gqa5_f32", "float", 64, 5, 2, 8, ((30, 13), (8, 1), (12, 12)), seed=9),
 ]  # fmt: skip
 CASE_BY_NAME = {c.name: c for c in CASES}
 
-TOLERANCE = {"float": 2e-5, "half": 2e-3}  # atol = rtol, outputs are O(1)
+# atol = rtol, outputs are O(1): float32 summation order, or half an ulp of the output's
+# rounding to the dtype (float16 2^-11, bfloat16 2^-8) with a margin.
+TOLERANCE = {"float": 2e-5, "half": 2e-3, "bfloat": 1.6e-2}
 
 
 @dataclass
@@ -143,13 +154,16 @@ class PagedInputs:
 
 
 def make_inputs(case: MetalCase) -> PagedInputs:
-    """Shuffled pages, NaN in every slot and page no row may read (tiny_llm.testing.paged)."""
+    """Shuffled pages, NaN in every slot and page no row may read (tiny_llm.testing.paged).
+    bfloat16 arrays are kept as float32 (exactly: every value is a bfloat16)."""
     import mlx.core as mx
 
-    paged = make_paged_case(list(case.seqs), dtype={"float": mx.float32, "half": mx.float16}[
-        case.dtype], head_dim=case.head_dim, page_size=case.page_size, group=case.group,
-        n_kv_heads=case.n_kv_heads, spare_pages=case.spare_pages, seed=case.seed)
-    arrays = [np.array(a) for a in paged.args()[:6]]
+    paged = make_paged_case(list(case.seqs), dtype=case.mx_dtype, head_dim=case.head_dim,
+                            page_size=case.page_size, group=case.group,
+                            n_kv_heads=case.n_kv_heads, spare_pages=case.spare_pages,
+                            seed=case.seed)
+    arrays = [np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+              for a in paged.args()[:6]]
     return PagedInputs(*arrays, paged.scale, float64_reference(paged))
 
 
@@ -168,8 +182,8 @@ def mx_inputs(case: MetalCase) -> list:
     import mlx.core as mx
 
     x = inputs(case)
-    return [mx.array(a) for a in (x.q, x.k_pages, x.v_pages, x.block_table, x.context_lens,
-                                  x.query_start_loc)]  # fmt: skip
+    q, k, v = (mx.array(a).astype(case.mx_dtype) for a in (x.q, x.k_pages, x.v_pages))
+    return [q, k, v] + [mx.array(a) for a in (x.block_table, x.context_lens, x.query_start_loc)]
 
 
 def plan_for(case: MetalCase, plan: str) -> dict[str, Any]:
@@ -193,8 +207,10 @@ def run_case(
     bit-identical; ``plan`` is a plan name or a (mutated) plan."""
     launch_plan = plan_for(case, plan) if isinstance(plan, str) else plan
     schedules = DEFAULT_SCHEDULES if schedule is None else (schedule,)
-    out = run_plan(launch_plan, PAGED, schedules=schedules, **launch)
-    return out["out"].astype(np.float64)
+    out = run_plan(launch_plan, PAGED, schedules=schedules, **launch)["out"]
+    if case.dtype == "bfloat":
+        out = bfloat16_to_float32(out)  # the emulator hands bfloat16 back as its bits
+    return out.astype(np.float64)
 
 
 def close_to_ref(got: np.ndarray, case: MetalCase) -> bool:
@@ -248,6 +264,18 @@ def test_plan_is_the_source_tree_and_the_geometry() -> None:
     assert all(a.size >= 8 for a in plan["inputs"])  # nothing lands in `constant` memory
     vector = plan_for(case, "vector")
     assert vector["grid"] == (256 * case.num_rows, case.n_kv_heads, 1)
+
+
+LIVE_CASES = ["smollm2_f32_9q3kv", "smollm2_f16_9q3kv", "qwen3_0.6b_bf16_16q8kv"]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("name", LIVE_CASES)
+def test_emulated_kernel_is_the_source_the_installed_mlx_writes(plan: str, name: str) -> None:
+    # What a Mac's MLX compiles for this launch, printed by the installed MLX itself: the
+    # emulator runs that very text (a new MLX that writes kernels differently fails here).
+    launch = plan_for(CASE_BY_NAME[name], plan)
+    assert kernel_source(launch)[1] == mlx_printed_source(launch)
 
 
 # --------------------------------------------------------- geometry rule
@@ -327,13 +355,11 @@ def test_extension_on_gpu_matches_numpy(plan: str, case: MetalCase) -> None:
     import mlx.core as mx
 
     x = inputs(case)
-    dtype = {"float": mx.float32, "half": mx.float16}[case.dtype]
-    q, k, v, table, ctx, qsl = mx_inputs(case)
     with mx.stream(mx.gpu):
-        out = paged_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), table, ctx, qsl,
-                              x.scale, tiled=PLANS[plan])  # fmt: skip
+        out = paged_attention(*mx_inputs(case), x.scale, tiled=PLANS[plan])
         got = np.array(out.astype(mx.float32)).astype(np.float64)
-    tol = {"float": 1e-4, "half": 4e-3}[case.dtype]  # Metal's exp and sums round differently
+    # Metal's exp and sums round differently from numpy's.
+    tol = {"float": 1e-4, "half": 4e-3, "bfloat": 2e-2}[case.dtype]
     np.testing.assert_allclose(got, x.ref, atol=tol, rtol=tol)
 
 

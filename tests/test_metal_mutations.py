@@ -42,6 +42,8 @@ from test_metal_kernels import (  # noqa: E402
     run_case,
 )
 
+pytestmark = pytest.mark.device_independent  # the emulator runs launch plans, on any device
+
 # ------------------------------------------------------- planted kernel bugs
 
 def mutated(old: str, new: str, plan: str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tiny_llm.cpu_kernels import kernel_forward
 from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.loader import build_model
+from tiny_llm.loader import build_model, on_cpu
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.testing.models import mlx_lm_model, random_weights
 
@@ -138,7 +138,9 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
 
 @pytest.mark.parametrize("decode_kernel", [False, True], ids=["mlx-matmul", "decode-kernel"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_matches_mlx_lm_prompt_and_decode(name, decode_kernel):
+def test_matches_mlx_lm_prompt_and_decode(name, decode_kernel, request):
+    if decode_kernel:  # the extension's kernels serve CPU streams: on a Mac, its CPU
+        request.getfixturevalue("cpu_device")
     ours, ref, _ = build_pair(name)
     compare_prompt_and_decode(ours, ref, decode_kernel=decode_kernel)
 
@@ -191,7 +193,8 @@ INT8_RTOL = 0.1
 
 @pytest.mark.parametrize("group_size, bits", [(32, 4), (64, 8)])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_int8_activations_match_mlx_lm_within_the_stated_tolerance(name, group_size, bits):
+def test_int8_activations_match_mlx_lm_within_the_stated_tolerance(name, group_size, bits,
+                                                                  cpu_device):
     ours, ref, _ = build_pair(name)
     nn.quantize(ref, group_size=group_size, bits=bits)
     nn.quantize(ours, group_size=group_size, bits=bits)
@@ -300,7 +303,7 @@ def test_build_model_infers_mixed_quantization(name):
 
     # On the CPU the scales and biases stay as stored (float16) and are widened as the
     # kernels read them: the bits of a model built from float32 copies of them.
-    if mx.default_device().type == mx.DeviceType.cpu:
+    if on_cpu():
         assert embed.scales.dtype == down.biases.dtype == mx.float16
         copies = {k: v.astype(mx.float32) if k.endswith((".scales", ".biases")) else v
                   for k, v in checkpoint.items()}

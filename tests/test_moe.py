@@ -250,8 +250,13 @@ def test_per_expert_loop_equals_the_gathered_matmul(bits):
         block(x)
 
 
-def test_auto_dispatch_loops_over_experts_only_when_they_get_rows_on_the_cpu():
+def test_auto_dispatch_loops_over_experts_only_when_they_get_rows_on_the_cpu(cpu_device):
     assert not use_loop("auto", 8, 8) and use_loop("auto", 16, 8)
+    assert use_loop("loop", 1, 8) and not use_loop("gather", 1000, 8)
+
+
+def test_auto_dispatch_always_gathers_on_a_gpu(gpu_decisions):
+    assert not use_loop("auto", 8, 8) and not use_loop("auto", 10_000, 8)
     assert use_loop("loop", 1, 8) and not use_loop("gather", 1000, 8)
 
 

@@ -23,6 +23,8 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import clang_check  # noqa: E402
 
+pytestmark = pytest.mark.device_independent  # compilers, whatever MLX's device
+
 ON_A_MAC = sys.platform == "darwin"
 
 

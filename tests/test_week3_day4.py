@@ -21,6 +21,7 @@ from tiny_llm.day4_paged_attention import (
     paged_attention_reference,
     paged_kv_write,
 )
+from tiny_llm.device import plans_for_gpu
 from tiny_llm.engine import LLMEngine
 from tiny_llm.extension import extension
 from tiny_llm.kv_cache import causal_attention
@@ -103,6 +104,9 @@ MATRIX = [
 )
 def test_page_walk_matches_dense_oracle(walk, dtype, head_dim, page_size, group, n_kv_heads,
                                         garbage, long):
+    if walk == "vector" and plans_for_gpu() and page_size % 8:
+        pytest.skip(f"not on a GPU: the Metal kernels take page sizes that are multiples of 8, "
+                    f"not {page_size} (test_metal_kernels.py checks the refusal)")
     case = make_case(standard_seqs(page_size, long), dtype=dtype, head_dim=head_dim,
                      page_size=page_size, group=group, n_kv_heads=n_kv_heads, garbage=garbage)
     assert_matches_oracle(walk, case, dtype, garbage)
@@ -255,7 +259,7 @@ def test_kv_write_is_in_place_when_the_caller_drops_the_old_pool():
     and the attention sees every row written so far."""
     rng = np.random.default_rng(3)
     ext = extension()
-    P, ps, H, D = 6, 4, 2, 16
+    P, ps, H, D = 6, 8, 2, 16  # a page size the Metal kernels take too
     k = mx.array(np.full((P, ps, H, D), np.nan, np.float32))
     v = mx.array(np.full((P, ps, H, D), np.nan, np.float32))
     mx.eval(k, v)
@@ -299,7 +303,8 @@ def test_kv_write_copies_when_the_old_pool_is_still_referenced():
     copies = ext.pool_copies()
     k_new, v_new = paged_kv_write(k_old, v_old, rows, rows, mx.array([3, 40], dtype=mx.int32))
     mx.eval(k_new, v_new)
-    assert ext.pool_copies() > copies, "a pool still referenced was written without a copy"
+    if not plans_for_gpu():  # on a GPU MLX's scatter makes the copy, which no counter sees
+        assert ext.pool_copies() > copies, "a pool still referenced was written without a copy"
     assert np.array_equal(f32(k_old), k_before) and np.array_equal(f32(v_old), v_before), (
         "writing changed an array the caller still holds"
     )
@@ -543,7 +548,7 @@ SCENARIOS = {
                          paged=dict(num_pages=256, enable_prefix_caching=True)),
     # a pool too small for everyone: preemption and recomputation
     "preemption": dict(jobs=dict(seed=12, n=10),
-                       paged=dict(num_pages=18, max_model_len=72, enable_prefix_caching=False)),
+                       paged=dict(num_pages=9, max_model_len=72, enable_prefix_caching=False)),
 }
 
 
@@ -560,7 +565,7 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
     results, stats = {}, {}
     for attention in ("vector", "reference", "gather"):
         engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", attention=attention,
-                           page_size=4, **common, **spec["paged"])
+                           page_size=8, **common, **spec["paged"])  # a page size Metal takes
         checked = engine.attention = CheckedAttention(engine.attention)  # metadata checked
         results[attention] = run_staggered(engine, jobs)
         stats[attention] = engine.stats()

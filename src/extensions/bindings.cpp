@@ -67,12 +67,15 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
   m.doc() = "tiny_llm paged attention kernels (CPU C++ and Metal)";
   m.def("paged_attention", &tiny_llm::paged_attention, "q"_a, "k_pages"_a, "v_pages"_a,
         "block_table"_a, "context_lens"_a, "query_start_loc"_a, "scale"_a, nb::kw_only(),
-        "tiled"_a = true, "stream"_a = nb::none(),
+        "tiled"_a = true, "gpu_rehearsal"_a = false, "stream"_a = nb::none(),
         "Attention of flat queries over paged K/V through block tables (causal). tiled=False "
-        "runs the vector schedule for every row (Day 4); True tiles multi-token queries (Day 5).");
+        "runs the vector schedule for every row (Day 4); True tiles multi-token queries (Day 5). "
+        "gpu_rehearsal: on a CPU stream, make and check the Metal launch plan first.");
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
-        "v_new"_a, "slot_mapping"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "Write new K/V rows into their slots; in place when the pools are donatable.");
+        "v_new"_a, "slot_mapping"_a, nb::kw_only(), "gpu_rehearsal"_a = false,
+        "stream"_a = nb::none(),
+        "Write new K/V rows into their slots; in place when the pools are donatable. "
+        "gpu_rehearsal: on a CPU stream, write with MLX's scatter as a GPU stream does.");
   m.def(
       "linear",
       [](const mx::array& x, const mx::array& w, bool blas, mx::StreamOrDevice s) {

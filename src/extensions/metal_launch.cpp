@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -23,6 +24,9 @@ namespace {
 // `device` memory, so smaller arrays are padded up to it.
 constexpr int kMlxConstantArraySize = 8;
 static_assert(kParamCount >= kMlxConstantArraySize, "params must be passed as device memory");
+// Every geometry check_metal_geometry accepts launches threadgroups of this one size.
+static_assert(kThreadsPerThreadgroup <= kMaxThreadsPerThreadgroup,
+              "a threadgroup must fit in one Metal pipeline");
 
 std::string dtype_name(mx::Dtype dtype) {
   if (dtype == mx::float32) return "float32";
@@ -136,9 +140,12 @@ MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_page
   plan.output_dtypes = {q.dtype()};
   // Threadgroups: one per query row (vector schedule); with tiles, then
   // tiles_per_sequence per sequence (tiled schedule); each per KV head.
-  const int groups_x =
-      num_rows + (tiled ? num_seqs * tiles_per_sequence(num_rows, group) : 0);
-  plan.grid = {kThreadsPerThreadgroup * groups_x, n_kv_heads, 1};
+  const int64_t groups_x =
+      num_rows + (tiled ? int64_t{num_seqs} * tiles_per_sequence(num_rows, group) : 0);
+  if (groups_x * kThreadsPerThreadgroup > std::numeric_limits<int>::max())
+    throw std::invalid_argument("paged_attention: " + std::to_string(num_rows) + " rows of " +
+                                std::to_string(num_seqs) + " sequences exceed one Metal grid");
+  plan.grid = {kThreadsPerThreadgroup * static_cast<int>(groups_x), n_kv_heads, 1};
   plan.threadgroup = {kThreadsPerThreadgroup, 1, 1};
   plan.template_args = {{"T", q.dtype()}, {"HEAD_DIM", head_dim}, {"GROUP", group}};
   return plan;

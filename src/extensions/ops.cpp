@@ -378,7 +378,8 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                           const mx::array& v_pages, const mx::array& block_table,
                           const mx::array& context_lens, const mx::array& query_start_loc,
-                          float scale, bool tiled, mx::StreamOrDevice s) {
+                          float scale, bool tiled, bool gpu_rehearsal,
+                          mx::StreamOrDevice s) {
   check(q.ndim() == 3 && k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape(),
         "q must be [T, Hq, D] and pages [P, page_size, Hkv, D]");
   check(is_float(q.dtype()) && k_pages.dtype() == q.dtype() && v_pages.dtype() == q.dtype(),
@@ -391,10 +392,11 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
         "block_table, context_lens and query_start_loc must be int32");
   auto stream = mx::to_stream(s);
   if (q.shape(0) == 0) return mx::zeros(q.shape(), q.dtype(), stream);
-  if (stream.device == mx::Device::gpu) {
-    return launch_metal(plan_paged_attention(q, k_pages, v_pages, block_table, context_lens,
-                                             query_start_loc, scale, tiled, stream),
-                        stream)[0];
+  if (stream.device == mx::Device::gpu || gpu_rehearsal) {
+    // The rehearsal makes (and checks) the launch plan a GPU would run, then runs the CPU's.
+    auto plan = plan_paged_attention(q, k_pages, v_pages, block_table, context_lens,
+                                     query_start_loc, scale, tiled, stream);
+    if (stream.device == mx::Device::gpu) return launch_metal(plan, stream)[0];
   }
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, tiled),
                    {q, k_pages, v_pages, block_table, context_lens, query_start_loc});
@@ -499,7 +501,7 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
                                                 const mx::array& v_pages,
                                                 const mx::array& k_new, const mx::array& v_new,
                                                 const mx::array& slot_mapping,
-                                                mx::StreamOrDevice s) {
+                                                bool gpu_rehearsal, mx::StreamOrDevice s) {
   check(k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape(),
         "pages must be [P, page_size, Hkv, D]");
   check(k_new.ndim() == 3 && v_new.shape() == k_new.shape() &&
@@ -512,7 +514,7 @@ std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
             slot_mapping.shape(0) == k_new.shape(0),
         "slot_mapping must be int32 [T]");
   auto stream = mx::to_stream(s);
-  if (stream.device == mx::Device::gpu) {
+  if (stream.device == mx::Device::gpu || gpu_rehearsal) {
     // MLX's scatter donates the pool's buffer when nothing else holds it: O(new rows).
     const auto shape = k_pages.shape();
     const int rows = shape[0] * shape[1];

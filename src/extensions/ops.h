@@ -8,6 +8,9 @@
 //       every row takes the vector schedule (Day 4).
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
+//   Both take gpu_rehearsal (tiny_llm/device.py): on a CPU stream, decide as a GPU stream
+//   does (the Metal launcher's checks and plan; MLX's scatter as the write), then compute
+//   on the CPU.
 //
 //   linear(x [M, K], [w_i [N_i, K], ...], blas) -> [x @ w_i^T [M, N_i], ...], float32 on a
 //       CPU stream: the model's matmuls, each weight row read once for all rows (the decode
@@ -54,6 +57,7 @@ mx::array paged_attention(
     const mx::array& query_start_loc,
     float scale,
     bool tiled = true,
+    bool gpu_rehearsal = false,
     mx::StreamOrDevice s = {});
 
 std::tuple<mx::array, mx::array> paged_kv_write(
@@ -62,6 +66,7 @@ std::tuple<mx::array, mx::array> paged_kv_write(
     const mx::array& k_new,
     const mx::array& v_new,
     const mx::array& slot_mapping,
+    bool gpu_rehearsal = false,
     mx::StreamOrDevice s = {});
 
 std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,

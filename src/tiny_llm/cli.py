@@ -100,6 +100,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         default=None, help="with --quantized: decode rows of quantized layers "
                         "in int8 (faster from a few requests; logits move by the rounding)")
     engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
+    p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                   help="the model's dtype: auto is float32 on a CPU and the checkpoint's own "
+                        "dtype on a GPU (bfloat16 for Qwen3)")
     p.add_argument("--quantized", action="store_true",
                    help="keep a quantized checkpoint's weights as stored (the default GGUF: 4-bit "
                         "layers, an 8-bit embedding); on a CPU the default dequantizes to float32")
@@ -122,8 +125,8 @@ def load_engine(args: argparse.Namespace):
     EngineConfig.from_options(options)  # reject bad options before the (slow) model load
     start = time.perf_counter()
     print("loading model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_pretrained(args.model, dequantize=False if args.quantized else None,
-                                       **options)
+    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype,
+                                       dequantize=False if args.quantized else None, **options)
     print(f"loaded in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     return engine
 

@@ -76,6 +76,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 
 from tiny_llm.blas import openblas_threads
+from tiny_llm.device import plans_for_gpu
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,7 +100,7 @@ def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False,
     rows with int8 activations (``quantized_linears``). With ``fused``, a step of decode
     rows only runs each run of its dense layers as one fused op (``cpu_fused.py``)."""
     # Checked once per forward, not per layer: the device and the extension do not change.
-    on = enabled and mx.default_device().type == mx.DeviceType.cpu and native() is not None
+    on = enabled and not plans_for_gpu() and native() is not None
     token = _decode_rows.set(decode_rows if on else None)
     int8_token = _int8_rows.set(int8 and on)
     fused_token = _fused.set(fused and on)
@@ -170,7 +171,7 @@ def check_int8_activations(model: nn.Module) -> None:
     """Raise ValueError unless int8 activations can serve ``model``: on a CPU with the
     extension built, and quantized layers (weights kept as stored) all in formats the int8
     kernel serves."""
-    if mx.default_device().type != mx.DeviceType.cpu or native() is None:
+    if plans_for_gpu() or native() is None:
         raise ValueError("int8_activations runs on the extension's CPU kernels: it needs the "
                          "CPU as the default device and the extension built")
     layers = [(name, m) for name, m in model.named_modules()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tiny_llm.day3_paged_kv import PagedKVSpace
+from tiny_llm.device import planned_device, rehearsing_gpu
 from tiny_llm.extension import extension
 from tiny_llm.step import AttentionGeometry, StepBatch
 
@@ -75,7 +76,7 @@ def check_metadata(
     if n_kv_heads < 1 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
         raise ValueError(f"q {q.shape} does not fit pages with {n_kv_heads} KV heads of {head_dim}")
     check_geometry(AttentionGeometry(q.shape[1], n_kv_heads, head_dim, page_size, q.dtype,
-                                     mx.default_device()))
+                                     planned_device()))
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError(f"q and pages must share a float dtype; got {q.dtype}, {k_pages.dtype}")
     for name, a in (("block_table", block_table), ("context_lens", context_lens),
@@ -121,7 +122,8 @@ def paged_attention(
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
     return extension().paged_attention(
-        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled
+        q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled,
+        gpu_rehearsal=rehearsing_gpu(),
     )
 
 
@@ -140,7 +142,8 @@ def paged_kv_write(
             raise ValueError(f"slot_mapping has slots outside the pool [0, {capacity})")
         if len(np.unique(slots)) != len(slots):
             raise ValueError("slot_mapping writes the same slot twice")
-    return extension().paged_kv_write(k_pages, v_pages, k_new, v_new, slot_mapping)
+    return extension().paged_kv_write(k_pages, v_pages, k_new, v_new, slot_mapping,
+                                      gpu_rehearsal=rehearsing_gpu())
 
 
 # ANCHOR: reference_page_walk

@@ -284,14 +284,16 @@ class LLMEngine:
         return SpeculativeDecoding(proposer, policy, self.model.config.vocab_size)
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, dequantize: bool | None = None,
-                        **options: Any) -> LLMEngine:
-        """Load ``model`` (``loader.load``: ``dequantize=False`` keeps quantized weights as
-        stored, the CPU's default being float32) and build an engine over it."""
-        from tiny_llm.loader import load
+    def from_pretrained(cls, model: str | None = None, *, dtype: str | mx.Dtype = "auto",
+                        dequantize: bool | None = None, **options: Any) -> LLMEngine:
+        """Load ``model`` (``loader.load``: ``dtype`` "auto" is float32 on the CPU and the
+        checkpoint's own dtype on a GPU; ``dequantize=False`` keeps quantized weights as
+        stored) and build an engine over it."""
+        from tiny_llm.loader import load, parse_dtype
 
-        EngineConfig.from_options(options)  # reject bad options before loading weights
-        return cls(*load(model, dequantize=dequantize), **options)
+        parse_dtype(dtype)  # reject bad options before loading weights
+        EngineConfig.from_options(options)
+        return cls(*load(model, dtype=dtype, dequantize=dequantize), **options)
 
     # ------------------------------------------------------------ requests in
 

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tiny_llm.device import plans_for_gpu
 from tiny_llm.model import Model, ModelConfig
 from tiny_llm.tokenizer import Tokenizer
 
@@ -51,30 +52,73 @@ def default_model_path() -> Path:
 
 
 def on_cpu() -> bool:
-    return mx.default_device().type == mx.DeviceType.cpu
+    """Whether the model is loaded for the CPU (``tiny_llm.device``: not in the GPU
+    rehearsal)."""
+    return not plans_for_gpu()
+
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 # ANCHOR: load
 def load(
     model: str | os.PathLike | None = None,
     *,
-    dtype: mx.Dtype | None = None,
+    dtype: str | mx.Dtype | None = "auto",
     dequantize: bool | None = None,
 ) -> tuple[Model, Tokenizer]:
     """Load ``model`` (a folder, a ``.gguf`` file, a hub repo id, or None for the default).
 
-    ``dtype`` is the activation/weight dtype (float32 on the CPU, else float16 by default);
-    ``dequantize`` turns quantized weights into ``dtype`` (default: on the CPU only).
+    ``dtype`` is the activation/weight dtype: ``"auto"`` (or None) is float32 on the CPU and
+    the checkpoint's own dtype on a GPU (``model_dtype``), or ``"float16"``, ``"bfloat16"``,
+    ``"float32"`` (or an ``mx.Dtype``). ``dequantize`` turns quantized weights into ``dtype``
+    (default: on the CPU only).
     """
-    dtype = dtype or (mx.float32 if on_cpu() else mx.float16)
+    requested = parse_dtype(dtype)
     dequantize = on_cpu() if dequantize is None else dequantize
     path = default_model_path() if model is None else resolve_model_path(model)
     if path.suffix == ".gguf":
         config, weights, tokenizer = read_gguf(path)
     else:
         config, weights, tokenizer = read_hf_folder(path)
+    dtype = model_dtype(requested, checkpoint_dtype(weights))
     return build_model(config, weights, dtype=dtype, dequantize=dequantize), tokenizer
 # ANCHOR_END: load
+
+
+# ANCHOR: model_dtype
+def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype a checkpoint was stored in: bfloat16 if any floating tensor is (quantized
+    checkpoints included: their scales and norms), else float16 if any is (GGUF's quantized
+    formats keep float16 scales), else float32."""
+    stored = {w.dtype for w in weights.values()}
+    return next((d for d in (mx.bfloat16, mx.float16) if d in stored), mx.float32)
+
+
+def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
+    """The dtype asked for: None for ``"auto"`` (or None); ValueError for anything but
+    float16, bfloat16 and float32."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, mx.Dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be 'auto', 'float16', 'bfloat16' or 'float32'; got {dtype!r}")
+
+
+def model_dtype(requested: mx.Dtype | None, checkpoint: mx.Dtype) -> mx.Dtype:
+    """The dtype the model runs in: ``requested``, or for "auto" (None) float32 on the CPU
+    (its fast format) and on a GPU the checkpoint's own dtype, so that a bfloat16-trained
+    model keeps bfloat16's range (in float16 its activations can overflow): float16 only for
+    float16 checkpoints, and a float32 checkpoint in bfloat16 (float32's range in half the
+    bytes)."""
+    if requested is not None:
+        return requested
+    if on_cpu():
+        return mx.float32
+    return mx.bfloat16 if checkpoint == mx.float32 else checkpoint
+# ANCHOR_END: model_dtype
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:

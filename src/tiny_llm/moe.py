@@ -31,6 +31,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+from tiny_llm.device import plans_for_gpu
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -172,8 +174,7 @@ def use_loop(mode: str, assignments: int, num_experts: int) -> bool:
     """Whether ``mode`` ("auto", "gather" or "loop") runs the per-expert loop for a step of
     ``assignments`` (row, expert) pairs."""
     if mode == "auto":
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        return on_cpu and assignments >= LOOP_MIN_ROWS_PER_EXPERT * num_experts
+        return not plans_for_gpu() and assignments >= LOOP_MIN_ROWS_PER_EXPERT * num_experts
     if mode not in ("gather", "loop"):
         raise ValueError(f"dispatch_mode must be 'auto', 'gather' or 'loop', got {mode!r}")
     return mode == "loop"

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from tiny_llm.device import planned_device
+
 import mlx.core as mx
 
 
@@ -111,7 +113,7 @@ class AttentionGeometry:
     @classmethod
     def of(cls, config: Any, page_size: int | None, dtype: mx.Dtype) -> AttentionGeometry:
         return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                   page_size, dtype, mx.default_device())
+                   page_size, dtype, planned_device())
 
 
 # ANCHOR: attention_backend

@@ -23,7 +23,7 @@ from .harness import (
     run_schedules,
 )
 from .lint import lint_metal, lint_source
-from .mlx_jit import kernel_source, run_plan
+from .mlx_jit import kernel_source, mlx_printed_source, run_plan
 from .source import MetalSourceError
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "compile_metal",
     "float32_to_bfloat16",
     "kernel_source",
+    "mlx_printed_source",
     "lint_metal",
     "lint_source",
     "run_plan",

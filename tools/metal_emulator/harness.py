@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import re
 import subprocess
@@ -73,6 +74,9 @@ KERNEL_FLAGS = (
     "-Wno-unused-function",
     "-Wno-unknown-pragmas",
 )
+# Metal refuses a dispatch of more threads per threadgroup than a pipeline allows: 1024 on
+# Apple GPUs at most (maxTotalThreadsPerThreadgroup; less for kernels heavy in registers).
+MAX_THREADS_PER_THREADGROUP = 1024
 RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall")
 
 SCHEDULE_CODES = {
@@ -415,6 +419,9 @@ class MetalLibrary:
             raise ValueError(f"guard must be 'end' or 'start', not {guard!r}")
         if (grid is None) == (groups is None):
             raise ValueError("pass exactly one of grid= (threads) or groups= (threadgroups)")
+        if math.prod(_dim3(threadgroup)) > MAX_THREADS_PER_THREADGROUP:
+            raise ValueError(f"{kernel}: a threadgroup of {_dim3(threadgroup)} threads is more "
+                             f"than the {MAX_THREADS_PER_THREADGROUP} a Metal pipeline allows")
         params = self.params(kernel)
         by_index: dict[int, Param] = {}
         by_name: dict[str, Param] = {}

@@ -24,7 +24,9 @@ Rules (numbered as in the README):
   9. finite sentinels (``-FLT_MAX``), never ``INFINITY``;
  10. nothing the emulator cannot run or MSL lacks: double, half literals
      (``1.0h``), lambdas, exceptions, dynamic memory, atomics, simdgroup
-     matrices other than 8x8, calls named ``buffer(...)`` (a macro in the shim).
+     matrices other than 8x8, calls named ``buffer(...)`` (a macro in the shim), a
+     transposed ``simdgroup_load``/``simdgroup_store`` with an origin (where Metal applies
+     it is undocumented: offset the pointer instead).
 """
 
 from __future__ import annotations
@@ -137,11 +139,42 @@ def lint_source(text: str, path: str | Path = "<string>") -> list[str]:
         if not in_instantiation(m.start() + len(m.group(0)) - 2):
             flag(m.start(), "rule 2: malformed kernel instantiation")
 
+    _lint_simdgroup_origins(stripped, flag)
     _lint_kernels(src, stripped, flag, in_instantiation)
     _lint_threadgroup(src, stripped, flag)
     _lint_misc(stripped, flag)
 
     return [f"{path}:{line}: {msg}" for line, msg in sorted(set(problems))]
+
+
+_SIMDGROUP_IO = re.compile(r"\bsimdgroup_(?:load|store)\s*\(")
+_ZERO_ORIGIN = re.compile(r"ulong2\s*\(\s*0\s*(?:,\s*0\s*)?\)")
+
+
+def _call_arguments(text: str, open_paren: int) -> list[str]:
+    """The top-level arguments of the call whose ``(`` is at ``open_paren``."""
+    args, depth, start = [], 0, open_paren + 1
+    for i in range(open_paren, len(text)):
+        c = text[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return [*args, text[start:i].strip()]
+        elif c == "," and depth == 1:
+            args.append(text[start:i].strip())
+            start = i + 1
+    return args
+
+
+def _lint_simdgroup_origins(stripped: str, flag: Flag) -> None:
+    for m in _SIMDGROUP_IO.finditer(stripped):
+        args = _call_arguments(stripped, m.end() - 1)
+        if (len(args) == 5 and args[4] != "false"
+                and not _ZERO_ORIGIN.fullmatch(args[3])):
+            flag(m.start(), "rule 10: a transposed simdgroup load/store with an origin: Apple "
+                 "does not document where the origin applies; offset the pointer instead")
 
 
 def _lint_includes(stripped: str, flag: Flag) -> None:

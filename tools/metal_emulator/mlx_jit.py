@@ -22,12 +22,19 @@ It dispatches ``grid`` threads (``dispatchThreads``) in threadgroups of
 ``kernel_source`` writes the same text from a *launch plan* (a mapping holding the
 arguments of ``metal_kernel`` and of the call: see ``PLAN_KEYS``), and ``run_plan``
 compiles and runs it under the emulator, so a test runs exactly what an Apple GPU would.
+``mlx_printed_source`` asks the installed MLX for its own text of a plan, on any machine:
+a kernel called with ``verbose=True`` while ``mx.export_function`` traces it prints the
+source it would compile, without compiling it, so a test can hold ``kernel_source`` to
+MLX itself and see when a new MLX writes its kernels differently.
 Not reproduced: MLX prepends its own ``utils.h`` (the shim provides the types it defines,
 such as ``float16_t`` and ``bfloat16_t``) and Metal's math mode.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +43,8 @@ import numpy as np
 
 from .harness import DEFAULT_SCHEDULES, Out, Outputs, compile_metal, run_schedules
 
-__all__ = ["PLAN_KEYS", "kernel_name", "kernel_source", "run_plan", "type_string"]
+__all__ = ["PLAN_KEYS", "kernel_name", "kernel_source", "mlx_printed_source", "run_plan",
+           "type_string"]
 
 #: What a launch plan holds (extra keys are ignored).
 PLAN_KEYS = (
@@ -241,3 +249,56 @@ def run_plan(
         lib, name, buffers, schedules=schedules, grid=grid, threadgroup=threadgroup, **launch
     )
     return Outputs({n: out[n] for n in plan["output_names"]}, {})
+
+
+# Run by mlx_printed_source in a fresh interpreter: MLX prints from C++ (std::cout), which
+# only a child process's captured stdout sees whole.
+_PRINT_SOURCE = """
+import json, sys, tempfile
+import mlx.core as mx
+plan = json.load(sys.stdin)
+dtype = lambda name: getattr(mx, name)
+kernel = mx.fast.metal_kernel(
+    name=plan["name"], input_names=plan["input_names"], output_names=plan["output_names"],
+    source=plan["source"], header=plan["header"],
+    ensure_row_contiguous=plan["ensure_row_contiguous"], atomic_outputs=plan["atomic_outputs"])
+inputs = [mx.zeros(shape, dtype=dtype(name)) for shape, name in plan["inputs"]]
+template = [(n, dtype(v) if kind == "dtype" else v) for n, kind, v in plan["template_args"]]
+def launch(*arrays):
+    return kernel(inputs=list(arrays), template=template, grid=tuple(plan["grid"]),
+                  threadgroup=tuple(plan["threadgroup"]),
+                  output_shapes=[tuple(s) for s in plan["output_shapes"]],
+                  output_dtypes=[dtype(d) for d in plan["output_dtypes"]], verbose=True)
+print("<<<")
+with tempfile.TemporaryDirectory() as d:
+    mx.export_function(d + "/kernel.mlxfn", launch, *inputs)
+"""
+
+
+def _template_kind(arg: Any) -> list[Any]:
+    if isinstance(arg, bool):
+        return ["bool", arg]
+    if isinstance(arg, int):
+        return ["int", arg]
+    return ["dtype", _dtype_name(arg)]
+
+
+def mlx_printed_source(plan: Mapping[str, Any]) -> str:
+    """The ``[[kernel]]`` source the installed MLX writes for ``plan``, as it prints it."""
+    spec = {key: plan[key] for key in ("name", "input_names", "output_names", "source",
+                                       "header", "ensure_row_contiguous", "atomic_outputs")}
+    spec["inputs"] = [[list(a.shape), _dtype_name(a.dtype)] for a in plan["inputs"]]
+    spec["output_shapes"] = [list(s) for s in plan["output_shapes"]]
+    spec["output_dtypes"] = [_dtype_name(d) for d in plan["output_dtypes"]]
+    spec["grid"], spec["threadgroup"] = list(plan["grid"]), list(plan["threadgroup"])
+    spec["template_args"] = [[n, *_template_kind(v)] for n, v in plan["template_args"]]
+    run = subprocess.run([sys.executable, "-c", _PRINT_SOURCE], input=json.dumps(spec),
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode:
+        raise RuntimeError(f"MLX did not print the kernel's source: {run.stderr[-2000:]}")
+    printed = run.stdout.split("<<<\n", 1)[-1]
+    start = printed.find("```\n")
+    end = printed.rfind("\n```")
+    if start < 0 or end <= start:
+        raise RuntimeError(f"MLX printed no kernel source: {printed[:500]!r}")
+    return printed[start + 4 : end]

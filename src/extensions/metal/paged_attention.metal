@@ -250,7 +250,9 @@ void paged_flash_impl(
     simdgroup_matrix<float, 8, 8> s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int c = 0; c < CHUNKS; ++c) {
       simdgroup_matrix<float, 8, 8> kt;
-      simdgroup_load(kt, k_tile, HEAD_DIM, ulong2(c * 8, 0), true);  // K^T chunk
+      // K^T chunk: the chunk's own origin, so that no rule for where a transposed load
+      // applies its origin is needed.
+      simdgroup_load(kt, k_tile + c * 8, HEAD_DIM, ulong2(0, 0), true);
       simdgroup_multiply_accumulate(s, qm[c], kt, s);
     }
     simdgroup_store(s, my_scratch, 8);
@@ -291,7 +293,7 @@ void paged_flash_impl(
     simdgroup_load(diag, my_scratch, 8);
     for (int c = 0; c < CHUNKS; ++c) {
       simdgroup_matrix<float, 8, 8> vm;
-      simdgroup_load(vm, v_tile, HEAD_DIM, ulong2(c * 8, 0));
+      simdgroup_load(vm, v_tile + c * 8, HEAD_DIM);
       simdgroup_multiply(om[c], diag, om[c]);
       simdgroup_multiply_accumulate(om[c], pm, vm, om[c]);
     }

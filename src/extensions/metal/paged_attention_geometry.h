@@ -23,6 +23,7 @@ enum : int {
   kTilePairs = kPairsPerSimdgroup * kSimdgroups,
   kKeyTile = 8,
   kMaxThreadgroupBytes = 32768,  // threadgroup memory of every Apple GPU family
+  kMaxThreadsPerThreadgroup = 1024,  // the most a Metal pipeline dispatches in one group
   kMaxHeadDim = 256,
 };
 

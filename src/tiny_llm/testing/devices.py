@@ -1,0 +1,41 @@
+"""Tests by device: what holds only on a CPU, and the GPU's decisions rehearsed on Linux.
+
+A test whose property cannot hold on a GPU is marked ``skip_on_gpu(reason)``: skipped on a
+Mac's GPU and in the GPU rehearsal (``tiny_llm.device``), with the reason printed. A test of
+a CPU-only path runs with the CPU as MLX's device (the ``cpu_device`` fixture), so on a Mac
+it still runs, on the Mac's CPU. A test of the GPU's decisions takes ``gpu_decisions``: the
+GPU's own on a Mac, rehearsed on the CPU elsewhere.
+"""
+
+from collections.abc import Iterator
+
+from tiny_llm.device import on_cpu, plans_for_gpu, rehearsing_gpu, set_gpu_rehearsal
+
+import mlx.core as mx
+import pytest
+
+
+def skip_on_gpu(reason: str) -> pytest.MarkDecorator:
+    """Skip where the engine plans for a GPU, saying why the test cannot hold there."""
+    return pytest.mark.skipif(plans_for_gpu(), reason=f"not on a GPU: {reason}")
+
+
+@pytest.fixture
+def cpu_device() -> Iterator[None]:
+    """Plan for and compute on the CPU for one test (``tiny_llm.device.on_cpu``)."""
+    with on_cpu():
+        yield
+
+
+@pytest.fixture
+def gpu_decisions() -> Iterator[None]:
+    """The GPU's decisions for one test: a Mac's GPU as it is, elsewhere the rehearsal."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        yield
+        return
+    was = rehearsing_gpu()
+    set_gpu_rehearsal(True)
+    try:
+        yield
+    finally:
+        set_gpu_rehearsal(was)
