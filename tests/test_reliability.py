@@ -435,6 +435,13 @@ def test_clear_errors_for_wrong_types_and_values(tiny_model, smollm_tokenizer):
          lambda: LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=2.0)),
         (ValueError, "attention='flash' reads paged K/V",
          lambda: LLMEngine(tiny_model, smollm_tokenizer, kv_cache="dense", attention="flash")),
+        (TypeError, "message 0 'content' must be a string, got int",
+         lambda: engine.add_request([{"role": "user", "content": 5}])),
+        (ValueError, "a role is one of system, user, assistant",
+         lambda: engine.add_request([{"role": "wizard", "content": "hi"}])),
+        (TypeError, r"sampling_params must be .* got dict \(use SamplingParams\(\*\*d\)\)",
+         lambda: engine.generate(["a"], {"max_tokens": 2}, use_tqdm=False)),
+        (TypeError, "decode bytes to str", lambda: engine.generate(b"hello", use_tqdm=False)),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message):
@@ -443,3 +450,41 @@ def test_clear_errors_for_wrong_types_and_values(tiny_model, smollm_tokenizer):
     # A tuple of token ids is a prompt like a list.
     (out,) = engine.generate([(5, 6, 7)], greedy(2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+class RecordingGenerator:
+    """A seeded request's generator that logs each draw as ``(who, n)``; fails the
+    ``fail_at``-th draw if given."""
+
+    def __init__(self, rng, who: int, log: list, fail_at: int | None = None):
+        self.rng, self.who, self.log, self.fail_at, self.calls = rng, who, log, fail_at, 0
+        self.bit_generator = rng.bit_generator
+
+    def random(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.log.append((self.who, "failed"))
+            raise RuntimeError("injected: sampling")
+        self.log.append((self.who, self.calls))
+        return self.rng.random()
+
+
+def test_a_failed_draw_restores_every_generator_that_drew_in_its_step(tiny_model,
+                                                                      smollm_tokenizer):
+    """Three seeded requests decode in lockstep; the last one's third draw fails after the
+    other two drew in that step: their generators must be put back too."""
+    work = [({"prompt_token_ids": p}, sampled(8, seed=70 + i))
+            for i, p in enumerate(random_prompts(3, seed=51, lo=5, hi=8))]
+    expected = drain(LLMEngine(tiny_model, smollm_tokenizer, **PAGED), work)
+    log: list[tuple[int, object]] = []
+
+    def prepare(engine, ids):
+        for who, request_id in enumerate(ids):
+            sampler = engine.requests[request_id].sampler
+            sampler.rng = RecordingGenerator(sampler.rng, who, log, 3 if who == 2 else None)
+
+    got = drain(LLMEngine(tiny_model, smollm_tokenizer, **PAGED), work, failures=1,
+                prepare=prepare)
+    failed = log.index((2, "failed"))
+    assert log[failed - 2:failed] == [(0, 3), (1, 3)], log  # both drew in the failing step
+    assert got == expected, "a failed step left another request's generator advanced"

@@ -267,7 +267,16 @@ def test_greedy_tokens_are_identical_with_speculation(tiny_model, smollm_tokeniz
                                    draft_model=(other_tiny_model, smollm_tokenizer))}[proposer]
     engine = LLMEngine(target, smollm_tokenizer, **spec["engine"], **options,
                        speculative_max_batch=8)
+    schedule, sizes = engine.scheduler.schedule, []
+
+    def recorded():  # every step's tokens, drafts to verify included
+        chunks = schedule()
+        sizes.append(sum(c.num_tokens for c in chunks))
+        return chunks
+
+    engine.scheduler.schedule = recorded
     assert tokens_of(engine, prompts, params) == expected
+    assert max(sizes) <= engine.config.max_num_batched_tokens, "drafts overran the budget"
     stats = engine.stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_free_pages"] == stats["num_pages"]
     if proposer == "self-draft":  # the target drafting for itself is always right

@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-waiting", type=int, default=None,
                        help="answer 503 while this many requests wait (default: no limit)")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="answer 413 to larger request bodies (default 4 MiB)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: the "
+                            "TINY_LLM_API_KEY environment variable, else no key)")
+    serve.add_argument("--api-key-for-all", action="store_true",
+                       help="require the key on /health and /metrics too")
+    serve.add_argument("--shutdown-timeout", type=float, default=None,
+                       help="seconds requests in flight get after SIGTERM/SIGINT before they "
+                            "end with an error (default 10; a second signal ends them at once)")
     add_engine_options(serve)
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
@@ -143,14 +153,40 @@ def print_stats(engine, args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tiny_llm.loader import DEFAULT_GGUF
-    from tiny_llm.server import serve
+    from tiny_llm import server
 
+    options = dict(
+        max_body_bytes=args.max_body_bytes or server.DEFAULT_MAX_BODY_BYTES,
+        api_key=args.api_key or os.environ.get(server.API_KEY_ENV) or None,
+        key_for_all=args.api_key_for_all,
+        shutdown_timeout=(server.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
+                          else args.shutdown_timeout))
+    server.check_options(args.max_waiting, options["max_body_bytes"],
+                         options["shutdown_timeout"], options["api_key"])  # before the load
+    if args.api_key_for_all and options["api_key"] is None:
+        raise ValueError("--api-key-for-all needs a key (--api-key or TINY_LLM_API_KEY)")
     engine = load_engine(args)
-    name = args.served_model_name or args.model or DEFAULT_GGUF.removesuffix(".gguf")
-    serve(engine, name, host=args.host, port=args.port, max_waiting=args.max_waiting)
+    server.serve(engine, served_model_name(args), host=args.host, port=args.port,
+                 max_waiting=args.max_waiting, **options)
     print_stats(engine, args)
     return 0
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model id clients see: --served-model-name, a hub id as given, or a local
+    model's file or folder name (never its path)."""
+    from pathlib import Path
+
+    from tiny_llm.loader import DEFAULT_GGUF
+
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return DEFAULT_GGUF.removesuffix(".gguf")
+    path = Path(args.model).expanduser()
+    if path.exists() or args.model.startswith((".", "/", "~")):
+        return path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
+    return args.model
 
 
 def run_generate(args: argparse.Namespace) -> int:

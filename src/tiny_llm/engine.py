@@ -99,6 +99,13 @@ DEFAULT_ATTENTION = {"dense": "dense", "paged": "flash"}
 Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ContextLengthError(ValueError):
+    """A prompt that leaves no room to generate within ``max_model_len``."""
+
+
 DEFAULT_MAX_NUM_SEQS = 32
 
 
@@ -351,6 +358,13 @@ class LLMEngine:
             return None, list(ids)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for i, message in enumerate(prompt):
+                for key in ("role", "content"):
+                    if not isinstance(message.get(key), str):
+                        raise TypeError(f"message {i} {key!r} must be a string, got "
+                                        f"{type(message.get(key)).__name__}")
+                if message["role"] not in CHAT_ROLES:  # a role is markup: never free text
+                    raise ValueError(f"message {i} has role {message['role'][:40]!r}; a role "
+                                     f"is one of {', '.join(CHAT_ROLES)}")
                 for key, value in message.items():
                     if isinstance(value, str):
                         check_text(f"message {i} {key!r}", value)
@@ -379,7 +393,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
@@ -576,6 +590,9 @@ class LLMEngine:
         """Run every prompt to completion; outputs in input order. All or nothing: a bad
         prompt adds none of them; an interrupt aborts the ones still running."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        if isinstance(sampling_params, dict):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                            "dict (use SamplingParams(**d))")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -689,7 +706,7 @@ def _interrupts_held():
 
 
 def _is_single_prompt(prompts: Any) -> bool:
-    if isinstance(prompts, str | dict):
+    if isinstance(prompts, str | dict | bytes | bytearray):  # bytes: refused as one prompt
         return True
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
         return True

@@ -6,29 +6,42 @@ server-sent events or not), ``GET /v1/models``, ``GET /health`` and ``GET /metri
 
 One thread drives the engine (``EngineLoop``): it calls ``engine.step()`` while requests
 are unfinished and sleeps otherwise. HTTP handlers run on the event loop and never hold
-the engine's lock: adding and aborting requests happen in worker threads (they wait at
-most one step for the lock), and each request's outputs reach its handler through its
-own ``asyncio.Queue``. A request joins the running batch at the next step; a client that
-disconnects aborts its request, which frees its pages at once.
+the engine's lock, nor do work that grows with a request's size there: reading the body
+stops at ``max_body_bytes``, and parsing it, templating and tokenizing, and adding a request
+happen in worker threads (an add waits at most one step for the lock). Each request's
+outputs reach its handler through its own ``asyncio.Queue``. A request joins the running
+batch at the next step. A client that disconnects has its request aborted: the handler
+posts the id to the engine thread without waiting (a cancelled handler cannot lose it),
+which aborts it before its next step and frees its pages.
+
+Shutdown (SIGTERM or SIGINT) is bounded: new requests get 503 at once, the ones in flight
+run for up to ``shutdown_timeout`` seconds, then end with an error (an error event and
+``[DONE]`` on a stream); a second signal ends them at once.
+
+With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise),
+and with ``key_for_all`` ``/health`` and ``/metrics`` too.
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
 invalid parameters (the engine's own checks, with their messages), 400 with code
-``context_length_exceeded`` when prompt + max_tokens exceed ``max_model_len``, 404 for
-another model's name, 503 when ``max_waiting`` requests already wait.
+``context_length_exceeded`` when prompt + max_tokens exceed ``max_model_len``, 401 without
+the key, 404 for another model's name, 413 for a body over ``max_body_bytes``, 503 when
+``max_waiting`` requests already wait or the server is shutting down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiny_llm.engine import LLMEngine
+from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import SamplingParams
 
@@ -36,6 +49,9 @@ log = logging.getLogger("tiny_llm")
 
 # Latency buckets (seconds) for TTFT, inter-token and per-token histograms.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt as token ids is about 1 MB
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after the first signal
+API_KEY_ENV = "TINY_LLM_API_KEY"
 
 
 class APIError(Exception):
@@ -54,10 +70,14 @@ class APIError(Exception):
 class EngineLoop:
     """Drives ``engine.step()`` in its own thread; hands outputs to per-request queues."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+        self.engine, self.max_waiting = engine, max_waiting
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.num_aborted = 0  # requests whose client went away before their end
+        self._admit = threading.Lock()  # the waiting-count check and the add, as one
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._failure: Exception | None = None  # set: end every request with it
+        self._closed: Exception | None = None  # set: refuse every request with it
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiny-llm-engine", daemon=True)
@@ -77,30 +97,47 @@ class EngineLoop:
     def add(self, prompt: Any, params: SamplingParams,
             loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Queue]:
         """Add a request (from a worker thread); its queue is registered before the engine
-        can produce an output for it. Raises the engine's ValueError/TypeError."""
+        can produce an output for it. Raises APIError 503 when ``max_waiting`` requests
+        wait (checked and added as one, so a burst cannot all pass the check), and the
+        engine's ValueError/TypeError."""
         request_id = f"req-{uuid.uuid4().hex}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = (loop, queue)
-        try:
-            self.engine.add_request(prompt, params, request_id=request_id)
-        except BaseException:
-            del self.queues[request_id]
-            raise
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._admit:
+            if self._closed is not None:
+                raise self._closed
+            if self.max_waiting is not None and \
+                    len(self.engine.scheduler.waiting) >= self.max_waiting:
+                raise APIError(503, f"the server is overloaded ({self.max_waiting} requests "
+                               "waiting); retry later", kind="server_overloaded")
+            self.queues[request_id] = (loop, outputs)
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id)
+            except BaseException:
+                del self.queues[request_id]
+                raise
         self._wake.set()
-        return request_id, queue
+        return request_id, outputs
 
     def abort(self, request_id: str) -> None:
-        """Abort a request whose client went away (from a worker thread); a no-op if it
-        finished meanwhile."""
-        try:
-            self.engine.abort(request_id)
-        except ValueError:
-            return
-        self.num_aborted += 1
+        """Abort a request whose client went away, from any thread or coroutine, without
+        waiting: the engine thread aborts it before its next step (a no-op if it finished
+        meanwhile)."""
+        self._aborts.put(request_id)
+        self._wake.set()
+
+    def fail_all(self, error: Exception) -> None:
+        """End every request in flight with ``error`` (from any thread), before the next
+        step, and refuse later ones with it."""
+        with self._admit:
+            self._closed = self._failure = error
         self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._take_aborts()
+            if self._failure is not None:
+                self._fail_all(self._failure)
+                self._failure = None
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -113,6 +150,18 @@ class EngineLoop:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out, out.finished)
+
+    def _take_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.abort(request_id)
+            except ValueError:  # it finished meanwhile
+                continue
+            self.num_aborted += 1
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
         entry = self.queues.pop(request_id, None) if last else self.queues.get(request_id)
@@ -231,18 +280,21 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if body.get("model") not in (None, model_name):
         raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
                        f"{model_name!r}", param="model", code="model_not_found")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):  # null means the default, as in OpenAI's API
         raise APIError(400, "only n=1 is supported", param="n")
     prompt = chat_messages(body) if chat else completion_prompt(body)
     options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # absent or null: the older name, then the default
+        max_tokens = body.get("max_tokens")
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
     try:
         params = SamplingParams(max_tokens=max_tokens, **options)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
     stream_options = body.get("stream_options") or {}
@@ -256,14 +308,19 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message needs a role and a content", param="messages")
+        if m["role"] not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
+                           param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise APIError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, "only text content parts, each with a string 'text', are "
+                               "supported", param="messages")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string", param="messages")
         out.append({"role": m["role"], "content": content})
@@ -283,19 +340,24 @@ def completion_prompt(body: dict) -> Any:
 
 
 def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams) -> list[int]:
-    """The prompt's token ids; raise when prompt + max_tokens exceed ``max_model_len``."""
+    """The prompt's token ids (templated and tokenized: call it off the event loop); raise
+    when prompt + max_tokens exceed ``max_model_len``."""
+    param = "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) \
+        else "prompt"
+    limit = engine.max_model_len
     try:
         ids = engine.tokenize(prompt)
+    except ContextLengthError as e:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens: {e}.",
+                       param=param, code="context_length_exceeded") from None
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param="prompt") from None
-    limit = engine.max_model_len
+        raise APIError(400, str(e), param=param) from None
     asked = len(ids) + (params.max_tokens or 0)
-    if len(ids) >= limit or asked > limit:
+    if asked > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
                        f"you requested {asked} tokens ({len(ids)} in the prompt, "
                        f"{params.max_tokens or 0} for the completion).",
-                       param="messages" if isinstance(prompt, list) else "prompt",
-                       code="context_length_exceeded")
+                       param=param, code="context_length_exceeded")
     return ids
 # ANCHOR_END: parse
 
@@ -304,22 +366,63 @@ def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams)
 class Server:
     """The HTTP side: parses requests, feeds the engine loop, shapes OpenAI responses."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None):
-        self.engine, self.model_name, self.max_waiting = engine, model_name, max_waiting
-        self.loop = EngineLoop(engine)
+    def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None,
+                 *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+                 key_for_all: bool = False):
+        check_options(max_waiting, max_body_bytes, DEFAULT_SHUTDOWN_TIMEOUT, api_key)
+        self.engine, self.model_name = engine, model_name
+        self.max_body_bytes, self.api_key, self.key_for_all = max_body_bytes, api_key, key_for_all
+        self.loop = EngineLoop(engine, max_waiting)
         self.metrics = Metrics(engine, lambda: self.loop.num_aborted)
         self.created = int(time.time())
+        self.shutting_down = False
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Refuse new requests; end the ones in flight with an error after ``timeout``
+        seconds (at once for 0)."""
+        self.shutting_down = True
+        error = APIError(503, "the server is shutting down", kind="server_shutting_down")
+        if timeout <= 0:
+            self.loop.fail_all(error)
+            return
+        timer = threading.Timer(timeout, self.loop.fail_all, args=(error,))
+        timer.daemon = True
+        timer.start()
+
+    def authorized(self, request) -> bool:
+        if self.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    async def read_body(self, request) -> Any:
+        """The JSON body, read up to ``max_body_bytes`` (413 past it) and parsed off the
+        event loop (400 if it is not JSON, or nests too deeply to parse)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise body_too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise body_too_large(self.max_body_bytes)
+            chunks.append(chunk)
+        try:
+            return await asyncio.to_thread(json.loads, b"".join(chunks))
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply") from None
 
     async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, asyncio.Queue,
                                                             int, Timeline]:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", kind="server_shutting_down")
         parsed = parse_request(body, chat, self.model_name)
-        ids = check_context_length(self.engine, parsed.prompt, parsed.params)
+        # Templating and tokenizing take time that grows with the prompt: a worker thread.
+        ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
+                                      parsed.params)
         num_prompt = len(ids)
-        # len() of the scheduler's queue without the engine's lock: never wait for a step here
-        if self.max_waiting is not None and len(self.engine.scheduler.waiting) >= \
-                self.max_waiting:
-            raise APIError(503, f"the server is overloaded ({self.max_waiting} requests "
-                           "waiting); retry later", kind="server_overloaded")
         timeline = Timeline()
         try:
             # the ids, not the prompt: the engine need not template and tokenize it again
@@ -337,6 +440,8 @@ class Server:
         try:
             while not finished:
                 out = await queue.get()
+                if isinstance(out, APIError):  # the server ended it (shutting down)
+                    raise out
                 if isinstance(out, Exception):
                     raise APIError(500, f"the engine failed: {out}", kind="server_error")
                 timeline.tokens_out(self.metrics, len(out.new_token_ids))
@@ -345,8 +450,8 @@ class Server:
         finally:
             if finished:
                 timeline.done(self.metrics)
-            else:
-                await asyncio.to_thread(self.loop.abort, request_id)
+            else:  # no await here: this may run in a cancelled scope (a closed stream)
+                self.loop.abort(request_id)
 
     def usage(self, out: RequestOutput, num_prompt: int) -> dict[str, Any]:
         completion = len(out.outputs[0].token_ids)
@@ -359,10 +464,7 @@ class Server:
         from starlette.responses import JSONResponse
 
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return error_response(APIError(400, "the request body is not valid JSON"))
-        try:
+            body = await self.read_body(request)
             parsed, request_id, queue, num_prompt, timeline = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
@@ -458,7 +560,30 @@ class ChatShape(CompletionShape):
 def error_response(error: APIError):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
+
+
+def check_options(max_waiting: int | None, max_body_bytes: int, shutdown_timeout: float,
+                  api_key: str | None) -> None:
+    """Refuse bad server options at startup (before any model is loaded, from the CLI)."""
+    if max_waiting is not None and (isinstance(max_waiting, bool)
+                                    or not isinstance(max_waiting, int) or max_waiting < 0):
+        raise ValueError(f"max_waiting must be an integer >= 0 (0: refuse every request that "
+                         f"would wait), got {max_waiting!r}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or \
+            max_body_bytes < 1024:
+        raise ValueError(f"max_body_bytes must be an integer >= 1024, got {max_body_bytes!r}")
+    if not isinstance(shutdown_timeout, int | float) or not 0 <= shutdown_timeout < 3600:
+        raise ValueError(f"shutdown_timeout must be between 0 and 3600 seconds, got "
+                         f"{shutdown_timeout!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("the API key must be a non-empty string")
 
 
 # ANCHOR: app
@@ -469,6 +594,17 @@ def build_app(server: Server):
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
+
+    def guarded(handler, always: bool):
+        """``handler`` behind the API key: ``/v1`` routes always, the others with
+        ``key_for_all``."""
+        async def run(request):
+            if (always or server.key_for_all) and not server.authorized(request):
+                return error_response(APIError(401, "Incorrect or missing API key: send "
+                                               "'Authorization: Bearer <key>'",
+                                               code="invalid_api_key"))
+            return await handler(request)
+        return run
 
     async def chat(request):
         return await server.complete(request, chat=True)
@@ -502,18 +638,49 @@ def build_app(server: Server):
             server.loop.stop()
 
     return Starlette(routes=[
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models),
-        Route("/health", health),
-        Route("/metrics", metrics),
+        Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
+        Route("/v1/completions", guarded(completions, True), methods=["POST"]),
+        Route("/v1/models", guarded(models, True)),
+        Route("/health", guarded(health, False)),
+        Route("/metrics", guarded(metrics, False)),
     ], lifespan=lifespan)
 
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_waiting: int | None = None) -> None:
+          max_waiting: int | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          api_key: str | None = None, key_for_all: bool = False,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     import uvicorn
 
-    app = build_app(Server(engine, model_name, max_waiting))
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    check_options(max_waiting, max_body_bytes, shutdown_timeout, api_key)
+    server = Server(engine, model_name, max_waiting, max_body_bytes=max_body_bytes,
+                    api_key=api_key, key_for_all=key_for_all)
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette would cut every stream the moment a signal arrives, with no error
+    # event: the streams end here instead, through the bounded shutdown (uvicorn's own
+    # timeout, a few seconds later, is the backstop).
+    AppStatus.disable_automatic_graceful_drain()
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    bounded_shutdown(config, server, shutdown_timeout).run()
+
+
+def bounded_shutdown(config, server: Server, timeout: float):
+    """uvicorn's server with a bounded shutdown: the first SIGTERM/SIGINT stops admission
+    and gives the requests in flight ``timeout`` seconds, a second one ends them at once."""
+    import uvicorn
+
+    class BoundedShutdown(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if server.shutting_down:  # the second signal: end everything now
+                server.begin_shutdown(0)
+                self.force_exit = True
+            else:
+                log.info("shutting down: %d request(s) in flight get up to %g s",
+                         len(server.loop.queues), timeout)
+                server.begin_shutdown(timeout)
+            self.should_exit = True
+
+    return BoundedShutdown(config)
 # ANCHOR_END: app

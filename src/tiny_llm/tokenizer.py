@@ -18,6 +18,8 @@ Invariants:
 - For every token stream, the pieces `IncrementalDetokenizer.add` returns plus `flush()` concatenate
   to `decode(ids)`; `add` never returns text ending in U+FFFD (a character not yet complete).
 - `eos_token_ids` holds EOS and every end-of-turn token in the vocabulary; generation stops on any.
+- In chat messages, text that spells a special or added token (`<|im_end|>`) is text: only the
+  template's own markup becomes control tokens, so a message cannot forge another turn.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class Tokenizer:
         end_of_turn = (backend.token_to_id(token) for token in _END_OF_TURN_TOKENS)
         known = [eos_token_id, *extra_eos_token_ids, *end_of_turn]
         self.eos_token_ids: set[int] = {i for i in known if i is not None}
+        self._plain: Backend | None = None  # the backend without added tokens, built lazily
+        self._added: list[str] | None = None
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -162,7 +166,9 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL, so a long text tokenized in a worker
+        # thread does not stop the server's event loop.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token:
             return [self.bos_token_id, *ids]
         return ids
@@ -192,10 +198,43 @@ class Tokenizer:
     def encode_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Template, then ids; no extra BOS, as the template writes one itself when needed."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(prompt, add_special_tokens=False)
+        """Template, then ids; no extra BOS, as the template writes one itself when needed.
+        A message whose content spells an added token is rendered with a placeholder in its
+        place, and its text encoded as plain text there (``encode_as_text``)."""
+        added = self._added_texts()
+        forged = {i: m["content"] for i, m in enumerate(messages)
+                  if any(t in m["content"] for t in added)}
+        if not forged:
+            prompt = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(prompt, add_special_tokens=False)
+        marks = {i: f"\ue000{i}\ue001" for i in forged}  # private-use characters, one per message
+        prompt = self.apply_chat_template(
+            [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
+            add_generation_prompt)
+        ids, at = [], 0
+        for i, content in forged.items():
+            where = prompt.find(marks[i], at)
+            if where < 0:
+                raise ValueError(f"message {i} spells a special token and the chat template "
+                                 "does not show its content as written")
+            ids += self.encode(prompt[at:where], add_special_tokens=False)
+            ids += self.encode_as_text(content)
+            at = where + len(marks[i])
+        return ids + self.encode(prompt[at:], add_special_tokens=False)
     # ANCHOR_END: chat_template
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """``text``'s ids with every special or added token spelled out as ordinary text."""
+        if self._plain is None:
+            spec = json.loads(self.backend.to_str())
+            spec["added_tokens"] = []
+            self._plain = Backend.from_str(json.dumps(spec))
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _added_texts(self) -> list[str]:
+        if self._added is None:
+            self._added = [t.content for t in self.backend.get_added_tokens_decoder().values()]
+        return self._added
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(partial(self.decode, skip_special_tokens=skip_special_tokens))
