@@ -37,8 +37,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-# The kernels serve CPU streams: on a Mac (and in the GPU rehearsal) they run on its CPU.
-pytestmark = pytest.mark.usefixtures("cpu_device")
+# The kernels serve CPU streams: on a Mac they run on its CPU, and the GPU rehearsal, which
+# would run them the same way, leaves them to the main pass.
+pytestmark = [pytest.mark.usefixtures("cpu_device"), pytest.mark.device_independent]
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +466,6 @@ int main(int argc, char** argv) {
 
 @pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
                     reason="needs g++ on x86_64")
-@pytest.mark.device_independent  # C++ harnesses built and run apart from MLX
 def test_linear_gives_the_same_bits_on_every_vector_unit(tmp_path):
     """The float32 kernel built for AVX2 (4 x 3 tiles), plain vector extensions (what a Mac
     compiles) and, where the CPU has it, AVX-512 (8 x 3 tiles): one definition, the same
@@ -514,7 +514,6 @@ int main(int argc, char** argv) {
 
 @pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
                     reason="needs g++ on x86_64")
-@pytest.mark.device_independent  # C++ harnesses built and run apart from MLX
 def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
     """``fold_page`` folds kPairsPerFold pairs at a time: 2 with AVX2 (and on a Mac), 3 with
     AVX-512. A pair's arithmetic must not depend on how many share its call, so both builds
@@ -856,7 +855,6 @@ int main(int argc, char** argv) {
 
 @pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
                     reason="needs g++ on x86_64")
-@pytest.mark.device_independent  # C++ harnesses built and run apart from MLX
 def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
     """The quantized kernel built for AVX-512 (where the CPU has it, with and without VNNI's
     integer dot products), AVX2, plain vector extensions (what a Mac compiles, there with

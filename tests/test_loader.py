@@ -366,6 +366,16 @@ def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, 
     assert float_dtypes(cpu_model) == {mx.float32} and not quantized_modules(cpu_model)
 
 
+def test_on_a_gpu_int8_activations_are_refused(gpu_decisions, smollm_tokenizer):
+    """The int8 decode rows are the CPU kernels': no silent fallback where the GPU decides."""
+    from tiny_llm.testing.models import make_tiny_model
+
+    model = make_tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="needs the CPU as the default device"):
+        LLMEngine(model, smollm_tokenizer, num_pages=8, int8_activations=True)
+
+
 def test_a_bad_dtype_is_refused_before_the_checkpoint_is_read(tmp_path):
     with pytest.raises(ValueError, match="dtype must be 'auto', 'float16', 'bfloat16' or"):
         loader.load(tmp_path / "no-such-model", dtype="fp8")

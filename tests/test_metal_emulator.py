@@ -624,3 +624,13 @@ def test_harness_checks_bindings() -> None:
         lib.run("block_reduce_float", {**bufs, 3: {"n": 100, "per_group": 100}}, groups=groups)
     with pytest.raises(KeyError, match="no \\[\\[buffer\\]\\] parameter 9"):
         lib.run("block_reduce_float", {**bufs, 9: np.zeros(1)}, groups=groups)
+
+
+def test_a_threadgroup_larger_than_metal_dispatches_is_refused() -> None:
+    # Metal refuses more than 1024 threads per threadgroup; so does the emulator, before
+    # running a thread (the launcher's own limit is a static_assert in metal_launch.cpp).
+    lib = compile_metal(MISUSE)
+    with pytest.raises(ValueError, match="more than the 1024 a Metal pipeline allows"):
+        lib.run("write_past_end", {0: Out(2048)}, groups=1, threadgroup=2048)
+    with pytest.raises(ValueError, match="a threadgroup of"):
+        lib.run("write_past_end", {0: Out(2048)}, groups=1, threadgroup=(64, 32, 1))

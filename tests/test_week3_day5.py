@@ -228,20 +228,14 @@ def test_kernel_tiles_match_the_tiled_reference_walk(dtype_name):
     assert (np.abs(got - want) <= 2e-5 + ulp * np.abs(want)).all()
 
 
-@pytest.fixture
-def on_cpu():
-    """Bit-identity across schedules is a property of the CPU kernels (both schedules fold
-    pages through one routine); on a Mac's GPU the Metal schedules agree to rounding only,
-    so these checks always run on the CPU stream."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
+# Bit-identity across schedules is a property of the CPU kernels (both schedules fold pages
+# through one routine); on a Mac's GPU the Metal schedules agree to rounding only, so these
+# checks always run on the CPU (the ``cpu_device`` fixture).
 
 
 @pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, on_cpu):
+def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, cpu_device):
     """One call, one-token rows (vector schedule) between multi-token rows (tiled)."""
     page_size = 16
     seqs = [(1, 1), (40, 7), (17, 1), (200, 200), (33, 1), (80, 64), (16, 1), (2, 2),
@@ -258,7 +252,7 @@ def test_mixed_batch_of_decode_and_prefill_rows(dtype_name, on_cpu):
 
 
 @pytest.mark.task("5.3")
-def test_tiles_of_one_row_give_the_same_bits_as_tiles(on_cpu):
+def test_tiles_of_one_row_give_the_same_bits_as_tiles(cpu_device):
     """Day 4's kernel (the vector schedule for every row) and Day 5's (tiles for multi-token
     queries) fold each row's pages through one routine: tiling changes the memory traffic,
     not one bit of the result. Five heads per KV head: fold_page's blocks of two or three
@@ -276,7 +270,7 @@ def test_tiles_of_one_row_give_the_same_bits_as_tiles(on_cpu):
 @pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("prefix", [0, 21, 32])
-def test_a_row_has_the_same_bits_in_any_schedule(dtype_name, prefix, on_cpu):
+def test_a_row_has_the_same_bits_in_any_schedule(dtype_name, prefix, cpu_device):
     L, page_size = 37, 16
     case = build_case([(prefix + L, L)], page_size=page_size, n_heads=10, n_kv_heads=2,
                       head_dim=64, dtype=DTYPES[dtype_name], seed=prefix)
