@@ -99,8 +99,8 @@ inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
 }
 
 // The value itself, made to live in a register: GCC otherwise folds the load into each
-// multiply-add that uses it (a key's vector into every pair's), and on the development
-// machine (Zen 4) the loads, not the multiply-adds, then set the pace.
+// multiply-add that uses it (a key's vector into every pair's), and the loads, not the
+// multiply-adds, then set the pace.
 inline Lanes8 in_register(Lanes8 a) {
 #if defined(__AVX512VL__)
   asm("" : "+v"(a));  // any of the 32 vector registers
@@ -456,7 +456,7 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
 // ANCHOR_END: cpu_tile_items
 
 // With fewer than kMinItems (tile, KV head) items (a decode step of one or two requests:
-// three items on two cores keep one idle a third of the time while they wait on memory),
+// three items on two cores leave one core idle while the other finishes the third),
 // one-row tiles become an item per chunk of their keys; the chunks' states are merged
 // after, in order.
 constexpr int kMinItems = 8;

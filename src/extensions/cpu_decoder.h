@@ -3,7 +3,8 @@
 // Op by op, one layer of a decode step is about sixteen MLX ops (two norms, the
 // projections, RoPE, the K/V write, attention, SwiGLU, two residual additions, reshapes),
 // each built by Python and scheduled by MLX: for a one-row step of a small model those
-// costs add up to a third of the step. Here a run of layers is one op; each layer is
+// costs are a large share of the step (the book's performance appendix). Here a run of
+// layers is one op; each layer is
 //
 //   decoder_qkv_cpu:  rms_norm, the q/k/v projections (+ their biases), the per-head q/k
 //                     norms, RoPE                                     -> q, k, v

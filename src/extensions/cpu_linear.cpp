@@ -41,8 +41,8 @@ struct Vec8 {
   }
   void fma(Vec8 a, Vec8 b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
   // The value itself, made to live in a register: GCC otherwise folds a load into every
-  // multiply-add of a tile (12 loads a step of the 4 x 3 tile instead of 7), and on the
-  // development machine (Zen 4) the loads, not the multiply-adds, then set the pace.
+  // multiply-add of a tile (12 loads a step of the 4 x 3 tile instead of 7), and the loads,
+  // not the multiply-adds, then set the pace.
   static Vec8 in_register(Vec8 a) {
 #if defined(__AVX512VL__)
     asm("" : "+v"(a.v));  // any of the 32 vector registers
@@ -173,7 +173,7 @@ inline void tile(const float* x, const float* w, float* y, int64_t ldy, const Do
 
 // MR x NR accumulators, NR weight vectors and one x vector must all stay in registers: with
 // AVX-512's 32 vector registers an 8 x 3 tile (28 of them) reuses each weight vector twice as
-// often as a 4 x 3 one and ran 8-16% faster from 8 to 64 rows on the development machine.
+// often as a 4 x 3 one, which pays from 8 rows on.
 // AVX2 (16 registers) and the plain code (on NEON a Vec8 takes two of its 32) keep to 4 x 3.
 // The bits are the same either way.
 #if defined(__AVX512VL__)
@@ -184,10 +184,9 @@ constexpr int kTileRows = 4;
 constexpr int kTileWeights = 3;  // NR: weight rows per tile
 static_assert(kTileRows <= 8 && kTileWeights <= 8, "the tile's loops are unrolled 8 times");
 // Up to this many rows, the weight rows are read one after another (tiles of NR = 1):
-// memory-bound, a single forward stream per thread ran at 32.7 GB/s on the development
-// machine where three interleaved rows ran at 23.3 (an NR = 3 tile's pattern). Same
-// accumulators in the same order, so the same bits; from 5 rows on the 4 x 3 tile's
-// reuse of each x vector pays more.
+// memory-bound, a single forward stream per thread reads faster than three interleaved
+// rows (an NR = 3 tile's pattern). Same accumulators in the same order, so the same bits;
+// from 5 rows on the 4 x 3 tile's reuse of each x vector pays more (a tuned threshold).
 constexpr int kRowByRow = 4;
 
 // The last rows - m0 < kTileRows rows of x, one tile of exactly that many.

@@ -27,10 +27,10 @@ namespace {
 // Sixteen float (or int32) lanes, held in the target's own vector registers: one AVX-512
 // register, two AVX2 ones, four NEON or SSE ones. Held as one 64-byte GCC vector instead,
 // a target without 64-byte registers kept every value on the stack and called a function
-// for each multiply-add: on an AVX2 machine (Zen 3) the kernel read its weights at 0.5-0.8
-// GB/s, where the float32 kernel reads 24. The arithmetic below is lane by lane (and what
-// combines lanes, sum_lanes and the integer products, does so in a fixed order), so the
-// bits are the same whatever holds the lanes.
+// for each multiply-add: on AVX2 the kernel read its weights many times slower than the
+// float32 kernel does (the book's performance appendix). The arithmetic below is lane by
+// lane (and what combines lanes, sum_lanes and the integer products, does so in a fixed
+// order), so the bits are the same whatever holds the lanes.
 #if defined(__AVX512F__)
 constexpr int kPartLanes = 16;
 #elif defined(__AVX2__)
@@ -696,8 +696,8 @@ int64_t int8_tile(const Int8Rows& rows, int64_t m, int64_t n0, int64_t n1, const
     };
     for (int64_t b = 0; b < whole_blocks; ++b) {  // 64-byte blocks: a unit into each part
       // Asked for 4 KiB ahead: this loop needs so few instructions a byte that, left to
-      // the hardware prefetchers, it waited on memory (the 8-bit vocabulary projection of
-      // one row took 1.4x as long without).
+      // the hardware prefetchers, it waits on memory (a tuned distance, on the 8-bit
+      // vocabulary projection of one row).
       for (int r = 0; r < NR; ++r) __builtin_prefetch(w + r * row_bytes + 4096);
       each_part([&](auto P) {
         int8_unit<MR, NR, BITS, GROUPS, decltype(P)::value>(rows, xq, sx, w, row_bytes, s,
@@ -731,10 +731,9 @@ int64_t int8_tile(const Int8Rows& rows, int64_t m, int64_t n0, int64_t n1, const
 
 // Weight rows a single row of x takes at a time. With AVX-512 four (one register of
 // accumulators each: one chain of multiply-adds alone waits on each link); with two or more
-// registers to a row's lanes, one: one row of x through the default model's 576 x 1536 and
-// its 8-bit vocabulary projection took 0.6-0.8x the time of four interleaved rows on a Zen 3
-// (AVX2), one weight row after another streaming better than four side by side (measured
-// there only; NEON and the plain build follow AVX2 unmeasured).
+// registers to a row's lanes, one: one weight row after another streams better than four
+// side by side (tuned on AVX2 with the default model's layers and 8-bit vocabulary
+// projection; NEON and the plain build follow AVX2 untuned).
 constexpr int kSingleRowWeights = kParts == 1 ? 4 : 1;
 
 // Rows m0 .. m1 - 1 of x against the n1 weight rows at `bytes` (their scales and biases,
@@ -813,12 +812,10 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
   const int chunks_per_group = format.group * format.bits / 8 / kBytesPerChunk;
   // A work item: up to 64 rows of x against about 128 KiB of one part's weight rows (their
   // bytes, scales and biases). Larger items stream faster (one run of the prefetchers
-  // each): one row of x through the default model's layers took 0.85x the time of 32 KiB
-  // items on the development machine. So few items need evening out: a part's are of one
-  // size, and their number a multiple of the pool's threads (with float16 scales the
-  // default model's gate and up came to five items each, and 30 of those projections took
-  // 1.18x the time of six items each; its down_proj was five items of 113 rows and one
-  // of 11).
+  // each; a size tuned against 32 KiB items). So few items need
+  // evening out: a part's are of one size, and their number a multiple of the pool's
+  // threads (else one thread takes the odd item alone while the others wait: with float16
+  // scales the default model's gate and up would come to five items each).
   const int64_t block_rows = 64;
   const int64_t m_blocks = (M + block_rows - 1) / block_rows;
   std::vector<int64_t> first{0}, item_rows;
@@ -897,8 +894,8 @@ LANES_INLINE void store_interleaved(const F16& a, const F16& b, float* out) {
 }
 
 // Weight rows n0 .. n1 - 1 of `part` as float32 [n1 - n0, K]: s * q + b (a fused multiply-add,
-// one rounding), sixteen weights at a time (a scalar loop took about 1 ns a weight: 0.13 s
-// for one prefill step's weights on the development machine).
+// one rounding), sixteen weights at a time (a scalar loop is slow enough to show in a
+// prefill step: every weight of the layer is dequantized once per step).
 template <typename S>
 void dequantize_rows(const QuantizedPart& part, const S* scales, const S* biases, int64_t n0,
                      int64_t n1, int64_t K, QuantFormat format, float* out) {

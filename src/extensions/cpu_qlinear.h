@@ -4,12 +4,13 @@
 // bias b, W[n, k] = s * q[n, k] + b, the q packed `32 / bits` to a uint32 from its low bits.
 //
 // The decode kernel never dequantizes: per group it sums q * x, then adds s * that sum and
-// b * (the group's sum of x), so a decode step reads the packed bytes (4-bit: 7x fewer than
-// float32) once for all rows of the call. Each output is one fixed sequence of operations
-// that depends only on K, the group size and the bit width (16 lanes over each group, the
-// groups in order, a fixed tree at the end), never on M or on the other rows: batch
-// invariance by construction, as in cpu_linear.h. Bit widths 4 and 8, groups a multiple of
-// 32 (the formats of the default checkpoint and of mlx-lm's 4- and 8-bit models).
+// b * (the group's sum of x), so a decode step reads the packed bytes (4 bits a weight
+// instead of float32's 32, plus the groups' scales and biases) once for all rows of the
+// call. Each output is one fixed sequence of operations that depends only on K, the group
+// size and the bit width (16 lanes over each group, the groups in order, a fixed tree at the
+// end), never on M or on the other rows: batch invariance by construction, as in
+// cpu_linear.h. Bit widths 4 and 8, groups a multiple of 32 (the formats of the default
+// checkpoint and of mlx-lm's 4- and 8-bit models).
 //
 // Prefill rows are compute-bound: the blas variant dequantizes a block of weight rows into
 // float32 (s * q + b, sixteen at a time) and multiplies it with MLX's BLAS, the blocks spread

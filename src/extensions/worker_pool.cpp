@@ -22,9 +22,9 @@ std::atomic<int> g_num_threads{0};
 // A job's threads find it without a system call when they are quick: a worker that has
 // just finished spins for kSpin before it sleeps, and so does the caller waiting for the
 // helpers' last items. A decode step runs a few hundred small kernels (the linear layers,
-// attention) a few microseconds apart, and waking a sleeping thread took about 100 us on
-// the 2-core development machine, more than most of those kernels take. The spin is
-// short: longer ones slowed the MLX ops that run between the kernels there. Nothing ever
+// attention) a few microseconds apart, and waking a sleeping thread can take longer than
+// most of those kernels do. The spin is short: longer ones slow the MLX ops that run
+// between the kernels (a tuned length). Nothing ever
 // waits for a spinning thread: items go one at a time to whichever thread asks, so a
 // thread that a busy neighbour keeps off its core only takes fewer of them.
 constexpr auto kSpin = std::chrono::microseconds(50);

@@ -4,15 +4,14 @@ The ``mlx[cpu]`` wheel links a reference BLAS. ``make setup`` builds a tiny shim
 (``src/extensions/blas_shim``) that defines ``cblas_sgemm`` on top of the OpenBLAS in
 ``scipy-openblas32``. Loading it with ``RTLD_GLOBAL`` *before* ``mlx.core`` is imported
 puts its symbol ahead of the wheel's BLAS, so every float32 matmul MLX runs on the CPU
-goes through OpenBLAS (a 512-token prefill about 21x faster on the development machine:
-``benches/bench_model.py``).
+goes through OpenBLAS (``benches/bench_model.py`` measures the difference).
 
 OpenBLAS runs on one thread unless ``OPENBLAS_NUM_THREADS`` says otherwise. Its worker
-threads spin while they wait for each other: on a quiet 2-core machine two threads make
-one request 1.16-1.24x faster, but with another process busy on one core they fall to
-0.55-0.58x of one thread, which loses at most 9% (``benches/bench_blas_threads.py``). One
-thread is the default that never collapses; the engine runs it on every core through the
-extension's thread pool instead (``cpu_kernels.py``).
+threads spin while they wait for each other: on a quiet machine more threads make one
+request faster, but with another process busy on a core they fall well behind one thread
+(``benches/bench_blas_threads.py``, the book's performance appendix). One thread is the
+default that never collapses; the engine runs it on every core through the extension's
+thread pool instead (``cpu_kernels.py``).
 
 Invariant: ``load_openblas()`` runs before the first ``import mlx.core`` in the process;
 ``tiny_llm/__init__.py`` calls it first thing.

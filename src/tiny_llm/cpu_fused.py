@@ -2,12 +2,11 @@
 
 Op by op, a layer is about sixteen MLX ops: two norms, the projections, RoPE, the K/V
 write, attention, SwiGLU, two residual additions and the reshapes between them. For a
-decode step of a small model each op computes little, and building the ops in Python and
-scheduling them in MLX cost about a fifth of a one-request step on the development machine
-(16.1 against 13.2 ms with two ops a layer at 512 tokens of context,
-``benches/bench_vs_llama_cpp.py``). Two ops a layer still left 120 ops a step for the
-default model, and Python and MLX then took about 1.5 ms to build them and another 1.5 ms
-of the main thread to schedule them, beside the two cores' kernels. Inside
+decode step of a small model each op computes little, so building the ops in Python and
+scheduling them in MLX is a large share of a one-request step, and even two ops a layer
+leave over a hundred ops a step for the default model, each built and scheduled on the
+main thread beside the cores' kernels (``benches/bench_cpu_decode.py`` and the book's
+performance appendix measure it). Inside
 ``kernel_forward`` a step whose rows are all decode rows therefore runs each run of
 consecutive dense layers as one op, ``decoder_layers``; per layer:
 

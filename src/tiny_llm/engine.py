@@ -127,7 +127,7 @@ class EngineConfig:
     attention: str | None = None  # a name in ATTENTION_BACKENDS; default: the storage's best
     speculative: str = "off"  # "draft" (a smaller model) or "ngram" (prompt lookup)
     num_speculative_tokens: int = 4  # tokens drafted per request and step
-    speculative_max_batch: int = 16  # no drafts above this many running requests (measured)
+    speculative_max_batch: int = 16  # no drafts above this many running (tuned: see the book)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)

@@ -243,7 +243,7 @@ class _Keyed:
 class SpeculationPolicy:
     """How many tokens to draft for each request. Verification rows cost little while a
     step is small, but a full batch is already compute-bound: past ``max_batch`` running
-    requests, drafting is off (``benches/bench_speculative.py`` measures where)."""
+    requests, drafting is off (``benches/bench_week3_speculative.py`` measures where)."""
 
     num_speculative_tokens: int
     max_batch: int
