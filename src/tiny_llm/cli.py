@@ -156,8 +156,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from tiny_llm import server
 
     options = dict(
-        max_body_bytes=args.max_body_bytes or server.DEFAULT_MAX_BODY_BYTES,
-        api_key=args.api_key or os.environ.get(server.API_KEY_ENV) or None,
+        max_body_bytes=(server.DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None
+                        else args.max_body_bytes),
+        api_key=args.api_key if args.api_key is not None else os.environ.get(server.API_KEY_ENV),
         key_for_all=args.api_key_for_all,
         shutdown_timeout=(server.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
                           else args.shutdown_timeout))
@@ -185,7 +186,8 @@ def served_model_name(args: argparse.Namespace) -> str:
         return DEFAULT_GGUF.removesuffix(".gguf")
     path = Path(args.model).expanduser()
     if path.exists() or args.model.startswith((".", "/", "~")):
-        return path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
+        path = Path(os.path.abspath(path))  # not resolve(): a symlink keeps its own name
+        return (path.stem if path.suffix == ".gguf" else path.name) or "model"
     return args.model
 
 

@@ -31,6 +31,7 @@ the key, 404 for another model's name, 413 for a body over ``max_body_bytes``, 5
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -115,6 +116,9 @@ class EngineLoop:
             except BaseException:
                 del self.queues[request_id]
                 raise
+        if self._closed is not None:  # closed while this add waited: not served either
+            self.abort(request_id)
+            raise self._closed
         self._wake.set()
         return request_id, outputs
 
@@ -126,10 +130,9 @@ class EngineLoop:
         self._wake.set()
 
     def fail_all(self, error: Exception) -> None:
-        """End every request in flight with ``error`` (from any thread), before the next
-        step, and refuse later ones with it."""
-        with self._admit:
-            self._closed = self._failure = error
+        """End every request in flight with ``error`` (from any thread, without waiting),
+        before the next step, and refuse later ones with it."""
+        self._closed = self._failure = error
         self._wake.set()
 
     def _run(self) -> None:
@@ -311,9 +314,10 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, "each message needs a role and a content", param="messages")
-        if m["role"] not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
-                           param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
+        if role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
+                           "(or developer)", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
@@ -323,7 +327,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(400, "message content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -392,8 +396,9 @@ class Server:
     def authorized(self, request) -> bool:
         if self.api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.api_key.encode())
 
     async def read_body(self, request) -> Any:
         """The JSON body, read up to ``max_body_bytes`` (413 past it) and parsed off the
@@ -401,12 +406,17 @@ class Server:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise body_too_large(self.max_body_bytes)
+        from starlette.requests import ClientDisconnect
+
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise body_too_large(self.max_body_bytes)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise body_too_large(self.max_body_bytes)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(499, "the client closed the request") from None
         try:
             return await asyncio.to_thread(json.loads, b"".join(chunks))
         except (ValueError, UnicodeDecodeError):
@@ -494,11 +504,14 @@ class Server:
                      num_prompt: int, timeline: Timeline, shape):
         yield json.dumps(shape.first())
         try:
-            async for out in self.outputs(request_id, queue, timeline):
-                if out.text_delta or out.finished:
-                    yield json.dumps(shape.chunk(out.text_delta, out.finish_reason))
-                if out.finished and parsed.include_usage:
-                    yield json.dumps(shape.usage_chunk(self.usage(out, num_prompt)))
+            # aclosing: a cancelled stream closes its outputs (and aborts) at once, not when
+            # the abandoned generator is collected.
+            async with contextlib.aclosing(self.outputs(request_id, queue, timeline)) as outs:
+                async for out in outs:
+                    if out.text_delta or out.finished:
+                        yield json.dumps(shape.chunk(out.text_delta, out.finish_reason))
+                    if out.finished and parsed.include_usage:
+                        yield json.dumps(shape.usage_chunk(self.usage(out, num_prompt)))
         except APIError as e:
             yield json.dumps(e.body())
         yield "[DONE]"
@@ -573,17 +586,20 @@ def check_options(max_waiting: int | None, max_body_bytes: int, shutdown_timeout
                   api_key: str | None) -> None:
     """Refuse bad server options at startup (before any model is loaded, from the CLI)."""
     if max_waiting is not None and (isinstance(max_waiting, bool)
-                                    or not isinstance(max_waiting, int) or max_waiting < 0):
-        raise ValueError(f"max_waiting must be an integer >= 0 (0: refuse every request that "
-                         f"would wait), got {max_waiting!r}")
+                                    or not isinstance(max_waiting, int) or max_waiting < 1):
+        raise ValueError(f"max_waiting must be an integer >= 1 (every request waits before "
+                         f"its first step), got {max_waiting!r}")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or \
             max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes must be an integer >= 1024, got {max_body_bytes!r}")
     if not isinstance(shutdown_timeout, int | float) or not 0 <= shutdown_timeout < 3600:
         raise ValueError(f"shutdown_timeout must be between 0 and 3600 seconds, got "
                          f"{shutdown_timeout!r}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ValueError("the API key must be a non-empty string")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key
+                                or not api_key.isascii() or not api_key.isprintable()
+                                or api_key != api_key.strip() or " " in api_key):
+        raise ValueError("the API key must be non-empty printable ASCII without spaces "
+                         "(a header carries it)")
 
 
 # ANCHOR: app
@@ -668,18 +684,24 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
 
 def bounded_shutdown(config, server: Server, timeout: float):
     """uvicorn's server with a bounded shutdown: the first SIGTERM/SIGINT stops admission
-    and gives the requests in flight ``timeout`` seconds, a second one ends them at once."""
+    and gives the requests in flight ``timeout`` seconds, a second one ends them at once
+    (their streams still end with an error event and ``[DONE]``), a third exits without
+    waiting for anything."""
     import uvicorn
 
     class BoundedShutdown(uvicorn.Server):
+        signals = 0
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if server.shutting_down:  # the second signal: end everything now
-                server.begin_shutdown(0)
-                self.force_exit = True
-            else:
+            self.signals += 1
+            if self.signals == 1:
                 log.info("shutting down: %d request(s) in flight get up to %g s",
                          len(server.loop.queues), timeout)
                 server.begin_shutdown(timeout)
+            elif self.signals == 2:  # end every request now; their streams still close
+                server.begin_shutdown(0)
+            else:  # a third: stop waiting for anything
+                self.force_exit = True
             self.should_exit = True
 
     return BoundedShutdown(config)

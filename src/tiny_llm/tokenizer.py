@@ -18,13 +18,15 @@ Invariants:
 - For every token stream, the pieces `IncrementalDetokenizer.add` returns plus `flush()` concatenate
   to `decode(ids)`; `add` never returns text ending in U+FFFD (a character not yet complete).
 - `eos_token_ids` holds EOS and every end-of-turn token in the vocabulary; generation stops on any.
-- In chat messages, text that spells a special or added token (`<|im_end|>`) is text: only the
-  template's own markup becomes control tokens, so a message cannot forge another turn.
+- In chat messages, text that spells a special token (`<|im_end|>`) is text: only the template's
+  own markup becomes control tokens, so a message cannot forge another turn.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
@@ -112,7 +114,7 @@ class Tokenizer:
         known = [eos_token_id, *extra_eos_token_ids, *end_of_turn]
         self.eos_token_ids: set[int] = {i for i in known if i is not None}
         self._plain: Backend | None = None  # the backend without added tokens, built lazily
-        self._added: list[str] | None = None
+        self._specials: re.Pattern[str] | bool | None = None  # built lazily; False: none
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
@@ -199,27 +201,32 @@ class Tokenizer:
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Template, then ids; no extra BOS, as the template writes one itself when needed.
-        A message whose content spells an added token is rendered with a placeholder in its
-        place, and its text encoded as plain text there (``encode_as_text``)."""
-        added = self._added_texts()
-        forged = {i: m["content"] for i, m in enumerate(messages)
-                  if any(t in m["content"] for t in added)}
-        if not forged:
+        Where a message spells a special token (``<|im_end|>``), the template sees a
+        placeholder in that spelling's place, and the rendering's placeholders are encoded as
+        the spelling's text (``encode_as_text``): only the template's own markup becomes
+        control tokens."""
+        specials = self._special_pattern()
+        if specials is None or not any(
+                isinstance(v, str) and specials.search(v) for m in messages
+                for k, v in m.items() if k != "role"):
             prompt = self.apply_chat_template(messages, add_generation_prompt)
             return self.encode(prompt, add_special_tokens=False)
-        marks = {i: f"\ue000{i}\ue001" for i in forged}  # private-use characters, one per message
-        prompt = self.apply_chat_template(
-            [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
-            add_generation_prompt)
-        ids, at = [], 0
-        for i, content in forged.items():
-            where = prompt.find(marks[i], at)
-            if where < 0:
-                raise ValueError(f"message {i} spells a special token and the chat template "
-                                 "does not show its content as written")
-            ids += self.encode(prompt[at:where], add_special_tokens=False)
-            ids += self.encode_as_text(content)
-            at = where + len(marks[i])
+        nonce = secrets.token_hex(8)  # no text a client sends can spell this placeholder
+        spelled: list[str] = []
+
+        def placeholder(match: re.Match[str]) -> str:
+            spelled.append(match.group(0))
+            return f"\ue000{nonce}:{len(spelled) - 1}\ue001"
+
+        masked = [{k: specials.sub(placeholder, v) if isinstance(v, str) and k != "role" else v
+                   for k, v in m.items()} for m in messages]
+        prompt = self.apply_chat_template(masked, add_generation_prompt)
+        ids: list[int] = []
+        at = 0
+        for mark in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", prompt):
+            ids += self.encode(prompt[at:mark.start()], add_special_tokens=False)
+            ids += self.encode_as_text(spelled[int(mark.group(1))])
+            at = mark.end()
         return ids + self.encode(prompt[at:], add_special_tokens=False)
     # ANCHOR_END: chat_template
 
@@ -231,10 +238,13 @@ class Tokenizer:
             self._plain = Backend.from_str(json.dumps(spec))
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def _added_texts(self) -> list[str]:
-        if self._added is None:
-            self._added = [t.content for t in self.backend.get_added_tokens_decoder().values()]
-        return self._added
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """The spellings of the special (control) tokens, longest first, as one pattern."""
+        if self._specials is None:
+            texts = sorted({t.content for t in self.backend.get_added_tokens_decoder().values()
+                            if t.special and t.content}, key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, texts))) if texts else False
+        return self._specials or None
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(partial(self.decode, skip_special_tokens=skip_special_tokens))
