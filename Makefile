@@ -59,7 +59,7 @@ chat: setup
 # computed on the CPU (--gpu-rehearsal: tiny_llm/device.py; the book's setup chapter).
 test: setup
 	$(VENV)/bin/ruff check src tests benches tools
-	$(PY) -m pytest tests
+	TINY_LLM_GPU_REHEARSAL=0 $(PY) -m pytest tests
 ifeq ($(UNAME),Linux)
 	$(PY) -m pytest tests --gpu-rehearsal
 endif

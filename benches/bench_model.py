@@ -429,7 +429,7 @@ def main() -> None:
                     help="requests served at once by (c) and (cN) (default 8; quick: 4; 0: none)")
     ap.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
-    use_cpu()  # the CPU's formats and OpenBLAS configurations: the CPU on any machine
+    use_cpu()  # the CPU's formats and OpenBLAS configurations
     quick = args.quick
     args.prompt_tokens = args.prompt_tokens or (64 if quick else 512)
     args.decode_tokens = args.decode_tokens or (8 if quick else 128)

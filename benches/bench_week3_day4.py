@@ -95,9 +95,11 @@ from common import (
     Table,
     bench_device,
     bench_parser,
+    gpu_words,
     greedy,
     kernel_thread_counts,
     load_model,
+    mlx_cpu_threads,
     save_results,
     spread,
     threads_label,
@@ -123,7 +125,9 @@ ONE = kernel_name(KERNEL_THREADS[0])  # the equal-thread comparison with MLX's o
 ALL = kernel_name(KERNEL_THREADS[-1])  # every core (the same run where there is one)
 # What ALL is called in ratio columns, and mx.fast's own label.
 ALL_SHORT = f"kernel {threads_label(KERNEL_THREADS[-1])}" if ON_CPU else "kernel"
-FAST = "mx.fast, 1 thread" if ON_CPU else "mx.fast"
+FAST = f"mx.fast, {threads_label(mlx_cpu_threads())}" if ON_CPU else "mx.fast"
+# The equal-thread comparison: the kernel on one thread against MLX on one thread.
+EQUAL_THREADS = ON_CPU and KERNEL_THREADS[0] == 1 and mlx_cpu_threads() == 1
 ATTN_METHODS = ("day3 gather", "MLX reference walk", *map(kernel_name, KERNEL_THREADS),
                 "mx.fast")
 # The reference walk is skipped where batch * context exceeds this (none in the full grid:
@@ -518,7 +522,7 @@ def attention_columns() -> list[tuple[str, str, Callable[[dict[str, Any]], Any]]
     columns += [(f"{kernel_name(n)} (ms)", ".3f", lambda p, n=n: p["ms"][kernel_name(n)])
                 for n in KERNEL_THREADS]
     columns.append((f"{FAST} (ms)", ".3f", lambda p: p["ms"]["mx.fast"]))
-    if ONE != ALL:
+    if ONE != ALL and EQUAL_THREADS:
         columns.append((f"{ONE_SHORT} / mx.fast, both 1 thread", ".2f",
                         lambda p: p["kernel_1t_over_fast"]))
     columns += [
@@ -671,8 +675,7 @@ def main() -> None:
             f"{blas_threads} thread(s): '{ONE_SHORT} / mx.fast' is the equal-thread "
             "comparison. ")
     else:
-        threads_note = ("Every path ran on MLX's GPU stream: the vector kernel is the Metal "
-                        "kernel MLX's JIT compiled from the extension's launch plan. ")
+        threads_note = f"Every path ran {gpu_words()}. "
     tables.append(Table(
         "1. Decode attention, one layer (9 q heads, 3 KV heads, d=64, float32, page_size 16, "
         "shuffled pages): ms per call",
@@ -710,7 +713,8 @@ def main() -> None:
             "assignment, in place when the pool is donatable); 'old pool kept' is a control "
             f"that must copy (run up to {CONTROL_MAX_SLOTS} slots). Pool copies counted by "
             "extension().pool_copies() over the timed calls (2 per call = K and V"
-            + ("" if ON_CPU else "; on a GPU the write is MLX's scatter, which counts none")
+            + ("" if ON_CPU else "; where the GPU decides the write is MLX's scatter, which "
+               "counts none")
             + "). Median "
             f"over {rounds} round(s) of the medians of {calls} interleaved calls "
             f"({max(1, calls // 2)} for pools above 16k slots and for the control)."
@@ -768,8 +772,7 @@ def main() -> None:
             + ("Kernel threads: extension().set_num_threads(n) around each of that engine's "
                "steps (the other engines' MLX ops run on one thread); every engine with "
                "cpu_kernels=False, so they differ in attention alone. " if ON_CPU else
-               "Every engine on the GPU (the kernel: the Metal vector schedule), so they "
-               "differ in attention alone. ")
+               f"Every engine ran {gpu_words()}, so they differ in attention alone. ")
             + f"For scale: the model forward for "
             f"{MAX_NUM_SEQS} decode tokens with attention replaced by the identity, timed "
             f"once per turn alongside the engines, takes {no_attention_ms:.0f} ms (median)."

@@ -132,10 +132,12 @@ from common import (
     Table,
     bench_device,
     bench_parser,
+    gpu_words,
     greedy,
     kernel_thread_counts,
     lap,
     load_model,
+    mlx_cpu_threads,
     mlx_lm_model,
     percentile,
     save_results,
@@ -357,21 +359,20 @@ def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, A
         del k_pages, v_pages, k_dense, v_dense, mask
     skipped = [f"{q}x{s}" for q in sz["attn_queries"] for s in sz["attn_contexts"]
                if q <= s and q * s > sz["attn_max_units"]]
-    fast = "mx.fast (1T)" if ON_CPU else "mx.fast"
+    fast = f"mx.fast ({mlx_cpu_threads()}T)" if ON_CPU else "mx.fast"
     if ON_CPU:
         threads_note = (
             "page); " + " / ".join(map(short, THREADS)) + ": the extension's worker pool "
             "limited to " + " / ".join(threads_label(n) for n in THREADS) + " "
             "(set_num_threads). mx.fast: mx.fast.scaled_dot_product_attention on contiguous "
             "dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] mask), on "
-            "MLX's one CPU stream thread with OpenBLAS on one thread: compare it with the 1T "
-            "kernels. ")
+            f"MLX's one CPU stream thread with OpenBLAS on {mlx_cpu_threads()} thread(s): "
+            "compare it with the kernels at as many threads. ")
     else:
         threads_note = (
-            "page), the Metal kernels MLX's JIT compiles from the extension's launch plans. "
-            "mx.fast: mx.fast.scaled_dot_product_attention on contiguous dense K/V "
-            "(mask='causal' when L == S, else an explicit boolean [L, S] mask), on the GPU "
-            "too. ")
+            f"page), run {gpu_words()}. mx.fast: mx.fast.scaled_dot_product_attention on "
+            "contiguous dense K/V (mask='causal' when L == S, else an explicit boolean [L, S] "
+            "mask), on the same device. ")
     table = Table(
         f"1. Tiles vs vectors: prefill attention, one layer ({hq} q / {hkv} kv heads, "
         f"head_dim {hd}, float32, page_size {PAGE_SIZE}, shuffled pages), a query of L "
@@ -379,7 +380,8 @@ def prefill_attention(sz: dict[str, Any], rounds: int) -> tuple[list[dict[str, A
         ["L", "S", *map(vector_name, THREADS), *map(tiled_name, THREADS), fast,
          "MLX reference walk", "MLX tiled reference walk",
          *(f"tiled / vector, {short(n)}" for n in THREADS),
-         *(f"tiled {short(n)} / {fast}" + (" (equal threads)" if n == 1 else "")
+         *(f"tiled {short(n)} / {fast}" + (" (equal threads)" if n == mlx_cpu_threads()
+                                            else "")
            for n in THREADS), "max abs err"],
         rows,
         ["", "", *[".2f"] * (2 * len(THREADS) + 1), ".1f", ".1f",
@@ -449,7 +451,7 @@ def ttft_long(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
         ["", "", ".2f", ".2f", ".2f", ".2f", ".2f", ""],
         "One request, random token ids, max_tokens=1, otherwise engine defaults (paged, "
         "prefix caching on, nothing to hit); the kernels "
-        + (f"on every core ({os.cpu_count()} threads)" if ON_CPU else "on the GPU")
+        + (f"on every core ({os.cpu_count()} threads)" if ON_CPU else gpu_words())
         + ". TTFT: wall time from the first step to the token, median "
         f"of {rounds} round(s) (the paths' order rotating); vector / tiled: median of "
         "per-round ratios. The MLX walks are not run above "

@@ -22,8 +22,8 @@
 - The device: a script runs on MLX's default device (a Mac's GPU, elsewhere the CPU) and
   records it (``bench_device``); what exists only on one device is chosen by it and labelled
   by what ran: the extension's thread counts on the CPU, one GPU run on a GPU
-  (``kernel_thread_counts``, ``threads_label``). A benchmark of the CPU path itself (thread
-  counts, OpenBLAS, the CPU kernels) calls ``use_cpu()`` and measures the CPU on any machine.
+  (``kernel_thread_counts``, ``threads_label``). A benchmark of the Linux CPU path itself
+  (thread counts, OpenBLAS, the CPU kernels) calls ``use_cpu()``: the CPU, with OpenBLAS.
   Under the GPU rehearsal (``TINY_LLM_GPU_REHEARSAL=1``) the GPU's configurations run on the
   CPU and are labelled so: their times are not a GPU's.
 """
@@ -120,12 +120,18 @@ def bench_device() -> str:
 
 
 def use_cpu() -> None:
-    """Run this script on the CPU, whatever MLX's default device: for benchmarks of the CPU
-    path (thread counts, OpenBLAS, the CPU kernels), which on a Mac measure its CPU."""
+    """Run this script on the CPU, whatever MLX's default device: for benchmarks of the
+    Linux CPU path (the CPU kernels, OpenBLAS and its threads). They stop with a message
+    where OpenBLAS is not interposed (a Mac: MLX's CPU matmuls go through Accelerate there),
+    rather than label another BLAS's numbers as OpenBLAS's."""
     from tiny_llm.device import set_gpu_rehearsal
 
     import mlx.core as mx
 
+    if not openblas_loaded():
+        raise SystemExit(f"{Path(sys.argv[0]).name} measures the Linux CPU path, MLX's matmuls "
+                         "through the OpenBLAS that make setup interposes, which this machine "
+                         "does not have")
     mx.set_default_device(mx.cpu)
     set_gpu_rehearsal(False)
 
@@ -136,6 +142,20 @@ def kernel_thread_counts() -> list[int | None]:
     if bench_device() == "cpu":
         return sorted({1, os.cpu_count() or 1})
     return [None]
+
+
+def mlx_cpu_threads() -> int:
+    """Threads MLX's own CPU ops use: its one stream thread, and OpenBLAS's threads in a
+    matmul (where it is interposed)."""
+    return (openblas_threads() or 1) if openblas_loaded() else 1
+
+
+def gpu_words() -> str:
+    """Where a GPU configuration ran, for a table's note."""
+    if bench_device() == "gpu rehearsal":
+        return ("on the CPU in the GPU rehearsal (the Metal launch plans made and checked, "
+                "the CPU kernels computing: not a GPU's times)")
+    return "on the GPU (the Metal kernels MLX's JIT compiles from the launch plans)"
 
 
 def threads_label(threads: int | None) -> str:
@@ -199,7 +219,7 @@ TINY_LLAMA = dict(
 
 
 def load_model(quick: bool, **tiny: Any) -> tuple[Model, Tokenizer, str]:
-    """The default model (SmolLM2-135M-Instruct, float32 on the CPU) or, with ``quick``, a
+    """The default model (SmolLM2-135M-Instruct, float32, on any device) or, with ``quick``, a
     random float32 Llama-shaped model (``TINY_LLAMA``, changed by ``tiny``, e.g.
     ``vocab_size=512``; built here, never downloaded) with the same tokenizer."""
     from tiny_llm.loader import default_model_path, load
@@ -209,8 +229,8 @@ def load_model(quick: bool, **tiny: Any) -> tuple[Model, Tokenizer, str]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    if not quick:
-        model, tokenizer = load()
+    if not quick:  # float32 on every device: the same weights mlx-lm's twin is given
+        model, tokenizer = load(dtype="float32", dequantize=True)
         return model, tokenizer, "SmolLM2-135M-Instruct (float32)"
     _, meta = mx.load(str(default_model_path()), return_metadata=True)
     tokenizer = Tokenizer.from_gguf_metadata(meta)

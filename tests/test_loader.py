@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import tiny_llm.loader as loader
-from tiny_llm.device import on_cpu
+from tiny_llm.device import planning_for_cpu
 from tiny_llm.engine import LLMEngine
 from tiny_llm.generate import stream_generate
 from tiny_llm.kv_cache import DenseKVCache
@@ -111,10 +111,11 @@ def test_default_load_is_smollm2_dequantized_to_float32_on_cpu(smollm):
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
 
 
-def test_on_a_gpu_the_default_gguf_stays_packed_in_its_float16(gpu_decisions):
-    """The GGUF keeps float16 scales (its norms float32): float16, the weights packed."""
+def test_on_a_gpu_the_default_gguf_stays_packed_in_bfloat16(gpu_decisions):
+    """The GGUF's scales are float16 by format and its norms float32: it says nothing of a
+    half dtype, so bfloat16 (float32's range); the weights stay packed."""
     model, _ = loader.load()
-    assert float_dtypes(model) == {mx.float16}
+    assert float_dtypes(model) == {mx.bfloat16}
     modules = quantized_modules(model)
     assert {(m.bits, m.group_size) for m in modules.values()} == {(4, 32), (8, 32)}
 
@@ -325,14 +326,15 @@ def float_dtypes(model: nn.Module) -> set[mx.Dtype]:
     return {v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype != mx.uint32}
 
 
-# (the checkpoint's float tensors, the dtype "auto" gives on a GPU)
-CHECKPOINT_DTYPES = [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16),
-                     (mx.float32, mx.bfloat16)]
+# (the checkpoint's float tensors, config.json's torch_dtype, the dtype "auto" gives on a GPU)
+CHECKPOINT_DTYPES = [(mx.bfloat16, None, mx.bfloat16), (mx.float16, None, mx.float16),
+                     (mx.float32, None, mx.bfloat16), (mx.float16, "bfloat16", mx.bfloat16)]
 
 
-@pytest.mark.parametrize("stored,on_gpu", CHECKPOINT_DTYPES,
-                         ids=["bfloat16", "float16", "float32"])
-def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, on_gpu):
+@pytest.mark.parametrize("stored,declared,on_gpu", CHECKPOINT_DTYPES,
+                         ids=["bfloat16", "float16", "float32", "float16-declared-bfloat16"])
+def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, declared,
+                                               on_gpu):
     """MLX-community checkpoints (Qwen3's) are bfloat16: float16 would round their range
     away (activations overflow). "auto" keeps a checkpoint's half dtype on a GPU, takes
     bfloat16 for float32 ones, float32 on a CPU; an explicit dtype wins everywhere."""
@@ -342,9 +344,9 @@ def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, 
     weights = {k: v if v.dtype == mx.uint32 else v.astype(stored)
                for k, v in tree_flatten(ref.parameters())}
     folder = tmp_path / "tiny-qwen3-4bit"
-    write_hf_folder(folder, dict(TINY_QWEN3, quantization={"group_size": 64, "bits": 4}),
-                    weights)
-    assert loader.checkpoint_dtype(weights) == stored
+    config = {k: v for k, v in TINY_QWEN3.items() if k != "torch_dtype"}
+    config |= {"quantization": {"group_size": 64, "bits": 4}}
+    write_hf_folder(folder, config | ({"torch_dtype": declared} if declared else {}), weights)
 
     model, tokenizer = loader.load(folder)
     assert float_dtypes(model) == {on_gpu}
@@ -361,7 +363,7 @@ def test_on_a_gpu_a_checkpoint_keeps_its_dtype(tmp_path, gpu_decisions, stored, 
     assert float_dtypes(explicit) == {mx.float16}
     engine = LLMEngine(model, tokenizer, max_model_len=64, num_pages=16)
     assert engine.kv.pool.k[0].dtype == on_gpu  # the KV pool follows the model
-    with on_cpu():
+    with planning_for_cpu():
         cpu_model, _ = loader.load(folder)
     assert float_dtypes(cpu_model) == {mx.float32} and not quantized_modules(cpu_model)
 

@@ -310,6 +310,8 @@ def test_build_model_infers_mixed_quantization(name):
         wide = build_model(config, copies, dtype=mx.float32, dequantize=False)
         assert dict(wide.named_modules())["model.embed_tokens"].scales.dtype == mx.float32
         assert mx.array_equal(forward(wide, tokens), quant_logits)
+    else:  # elsewhere they take the model's dtype, as MLX's kernels expect
+        assert embed.scales.dtype == down.biases.dtype == mx.float32
 
 
 # ---------------------------------------------------------------------------------------------

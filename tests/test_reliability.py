@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from tiny_llm.device import rehearsing_gpu
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
@@ -369,10 +370,10 @@ def test_invalid_unicode_is_refused_naming_the_position(tiny_model, smollm_token
     assert not engine.requests
 
 
-# These tests are of the CLI's behaviour, not its arithmetic: float32 everywhere, because in
-# the GPU rehearsal the default model's float16 would run on the CPU, where half-precision
-# matmuls crawl.
-FLOAT32 = ["--dtype", "float32"]
+# These tests are of the CLI's behaviour, not its arithmetic: in the GPU rehearsal they run
+# the model in float32, because a GPU's half precision would run on the CPU, where
+# half-precision matmuls crawl.
+FLOAT32 = ["--dtype", "float32"] if rehearsing_gpu() else []
 
 
 def run_cli(args: list[str], stdin: bytes = b"", timeout: int = 120,

@@ -612,3 +612,25 @@ def test_engine_rejects_kernel_geometry_it_cannot_run(smollm_tokenizer):
     model.apply(lambda p: p.astype(mx.int32))
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         LLMEngine(model, smollm_tokenizer)
+
+
+def test_where_the_gpu_decides_the_op_checks_its_metal_plan_and_writes_by_scatter(
+        gpu_decisions):
+    """On a Mac's GPU (and in the rehearsal) the op makes the Metal launch plan and checks it
+    even when check_metadata is skipped, and K/V is written by MLX's scatter, not the C++
+    write (whose copy of a still-referenced pool the counter would see)."""
+    case = make_case([(9, 1), (4, 2)], page_size=4, group=1)
+    with pytest.raises(ValueError, match="page_size must be a multiple of 8"):
+        mx.eval(paged_attention(*case.args(), validate=False))
+    ext = extension()
+    k_old, v_old = random_pool(np.random.default_rng(6), "float32")
+    k_before = f32(k_old)
+    rows = mx.array(np.random.default_rng(7).standard_normal((2, 2, 16)).astype(np.float32))
+    copies = ext.pool_copies()
+    k_new, v_new = paged_kv_write(k_old, v_old, rows, rows, mx.array([3, 40], dtype=mx.int32))
+    mx.eval(k_new, v_new)
+    assert ext.pool_copies() == copies, "the C++ write ran where the GPU decides"
+    assert np.array_equal(f32(k_old), k_before), "the write changed a pool still held"
+    k_want = k_before.reshape(-1, 2, 16)
+    k_want[[3, 40]] = np.array(rows)
+    assert np.array_equal(f32(k_new), k_want.reshape(k_before.shape))

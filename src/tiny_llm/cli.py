@@ -112,7 +112,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--stats", action="store_true", help="print engine stats at the end")
     p.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                    help="the model's dtype: auto is float32 on a CPU and the checkpoint's own "
-                        "dtype on a GPU (bfloat16 for Qwen3)")
+                        "dtype on a GPU (bfloat16 for Qwen3; float32 ones in bfloat16)")
     p.add_argument("--quantized", action="store_true",
                    help="keep a quantized checkpoint's weights as stored (the default GGUF: 4-bit "
                         "layers, an 8-bit embedding); on a CPU the default dequantizes to float32")

@@ -49,7 +49,7 @@ def set_gpu_rehearsal(on: bool) -> None:
 
 
 @contextmanager
-def on_cpu() -> Iterator[None]:
+def planning_for_cpu() -> Iterator[None]:
     """Plan for and compute on the CPU, rehearsal or not (as a Mac does with
     ``mx.set_default_device(mx.cpu)``)."""
     device, rehearsal = mx.default_device(), _rehearsal

@@ -81,18 +81,23 @@ def load(
         config, weights, tokenizer = read_gguf(path)
     else:
         config, weights, tokenizer = read_hf_folder(path)
-    dtype = model_dtype(requested, checkpoint_dtype(weights))
+    dtype = model_dtype(requested, checkpoint_dtype(config, weights))
     return build_model(config, weights, dtype=dtype, dequantize=dequantize), tokenizer
 # ANCHOR_END: load
 
 
 # ANCHOR: model_dtype
-def checkpoint_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
-    """The dtype a checkpoint was stored in: bfloat16 if any floating tensor is (quantized
-    checkpoints included: their scales and norms), else float16 if any is (GGUF's quantized
-    formats keep float16 scales), else float32."""
-    stored = {w.dtype for w in weights.values()}
-    return next((d for d in (mx.bfloat16, mx.float16) if d in stored), mx.float32)
+def checkpoint_dtype(config: ModelConfig, weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype a checkpoint was trained in, as far as it says: config.json's
+    ``torch_dtype`` (or ``dtype``); else its unquantized tensors' half dtype, bfloat16 before
+    float16; else float32. Quantization scales say nothing (GGUF's formats store them in
+    float16 whatever the model was trained in), so a GGUF whose plain tensors are float32
+    counts as float32."""
+    declared = config.extra.get("torch_dtype") or config.extra.get("dtype")
+    if declared in DTYPES:
+        return DTYPES[declared]
+    plain = {w.dtype for name, w in weights.items() if not name.endswith((".scales", ".biases"))}
+    return next((d for d in (mx.bfloat16, mx.float16) if d in plain), mx.float32)
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:

@@ -347,7 +347,8 @@ def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
     unless it shares the target's tokenizer."""
     from tiny_llm.loader import load
 
-    draft_model, draft_tokenizer = load(draft) if isinstance(draft, str) else draft
+    draft_model, draft_tokenizer = (load(draft, dtype=target_model.dtype)
+                                    if isinstance(draft, str) else draft)
     if draft_model.config.vocab_size != target_model.config.vocab_size or (
         draft_tokenizer is not None and draft_tokenizer.vocab_size != target_tokenizer.vocab_size
     ):

@@ -9,7 +9,7 @@ GPU's own on a Mac, rehearsed on the CPU elsewhere.
 
 from collections.abc import Iterator
 
-from tiny_llm.device import on_cpu, plans_for_gpu, rehearsing_gpu, set_gpu_rehearsal
+from tiny_llm.device import planning_for_cpu, plans_for_gpu, rehearsing_gpu, set_gpu_rehearsal
 
 import mlx.core as mx
 import pytest
@@ -22,8 +22,8 @@ def skip_on_gpu(reason: str) -> pytest.MarkDecorator:
 
 @pytest.fixture
 def cpu_device() -> Iterator[None]:
-    """Plan for and compute on the CPU for one test (``tiny_llm.device.on_cpu``)."""
-    with on_cpu():
+    """Plan for and compute on the CPU for one test (``tiny_llm.device.planning_for_cpu``)."""
+    with planning_for_cpu():
         yield
 
 
