@@ -15,9 +15,10 @@ Course options (the book's setup chapter):
 
 ``--gpu-rehearsal`` (or ``TINY_LLM_GPU_REHEARSAL=1``) runs the tests as a Mac's GPU would
 decide them, computing on the CPU (``tiny_llm.device``); ``make test`` runs the suite once
-more that way. A test that cannot hold on a GPU is skipped with ``skip_on_gpu(reason)``; a
-test no device decision reaches (compilers, the book, the emulator's own machinery) is
-marked ``device_independent`` and left to the main pass.
+more that way. A test of a CPU-only path runs on the CPU on every machine (the ``cpu_device``
+fixture, ``tiny_llm.testing.devices``); a test no device decision reaches (compilers, the
+book, the emulator's own machinery) is marked ``device_independent`` and left to the main
+pass.
 """
 
 import os

@@ -478,6 +478,8 @@ def test_api_key(tiny_model, smollm_tokenizer):
         assert http(f"{url}/health") == (200, "ok")  # open unless key_for_all
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
         assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    with pytest.raises(ValueError, match="needs a key"):  # no key, nothing protected: refused
+        Server(server.engine, MODEL, key_for_all=True)
     server = Server(server.engine, MODEL, api_key="sekret", key_for_all=True)
     with running(server) as url:
         assert http(f"{url}/health")[0] == http(f"{url}/metrics")[0] == 401

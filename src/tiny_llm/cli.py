@@ -162,10 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         key_for_all=args.api_key_for_all,
         shutdown_timeout=(server.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
                           else args.shutdown_timeout))
-    server.check_options(args.max_waiting, options["max_body_bytes"],
-                         options["shutdown_timeout"], options["api_key"])  # before the load
-    if args.api_key_for_all and options["api_key"] is None:
-        raise ValueError("--api-key-for-all needs a key (--api-key or TINY_LLM_API_KEY)")
+    server.check_options(args.max_waiting, **options)  # before the (slow) model load
     engine = load_engine(args)
     server.serve(engine, served_model_name(args), host=args.host, port=args.port,
                  max_waiting=args.max_waiting, **options)

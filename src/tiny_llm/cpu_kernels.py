@@ -29,12 +29,11 @@ dtypes other than float32.
 runs as a chain of about a dozen ops, which made it the costliest op of a decode step
 after the matmuls; its CPU ``exp`` is slow enough that SiLU over a step's MLP rows
 costs more than the matmul next to it at large batches; and its CPU ``rms_norm`` is a
-chain too (two per layer and one more per step). The extension
-has each as one op (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as
-``mx.fast.rope`` (``theta = (position * scale) * inv_freq``, ``inv_freq`` from
-``rope_inv_freq``), ``swiglu`` is ``silu(gate) * up`` and ``rms_norm`` is
-``mx.fast.rms_norm``'s formula. Inside ``kernel_forward`` they serve every CPU float32
-row.
+chain too (two per layer and one more per step). The extension has each as one op
+(``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as ``mx.fast.rope``
+(``theta = (position * scale) * inv_freq``, ``inv_freq`` from ``rope_inv_freq``),
+``swiglu`` is ``silu(gate) * up`` and ``rms_norm`` is ``mx.fast.rms_norm``'s formula.
+Inside ``kernel_forward`` they serve every CPU float32 row.
 
 **Quantized weights as stored** (``load(dequantize=False)``, ``--quantized``): a
 ``QuantizedLinear`` (and a tied ``QuantizedEmbedding`` head) in MLX's affine layout takes
@@ -44,9 +43,9 @@ once for all the rows of the call (4 bits a weight instead of float32's 32, plus
 groups' scales and biases) in an order that depends on nothing but K, the group size and
 the bit width; prefill rows by blocks dequantized to float32 for the split BLAS. It serves
 4 and 8 bits in groups of a multiple of 32; other formats take MLX's ``quantized_matmul``.
-Scales and biases are read in the dtype the checkpoint stores them in (the loader keeps float16 and
-bfloat16 ones on the CPU): the kernel widens them to float32 as it reads them, which is
-exact, so they give the bits of float32 copies from half the bytes.
+Scales and biases are read in the dtype the checkpoint stores them in (the loader keeps
+float16 and bfloat16 ones on the CPU): the kernel widens them to float32 as it reads them,
+which is exact, so they give the bits of float32 copies from half the bytes.
 
 **Int8 activations, an option** (``EngineConfig(int8_activations=True)``,
 ``--int8-activations``): the decode rows of quantized layers are rounded to int8 per 32

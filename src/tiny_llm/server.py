@@ -373,7 +373,7 @@ class Server:
     def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None,
                  *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
                  key_for_all: bool = False):
-        check_options(max_waiting, max_body_bytes, DEFAULT_SHUTDOWN_TIMEOUT, api_key)
+        check_options(max_waiting, max_body_bytes, api_key, key_for_all)
         self.engine, self.model_name = engine, model_name
         self.max_body_bytes, self.api_key, self.key_for_all = max_body_bytes, api_key, key_for_all
         self.loop = EngineLoop(engine, max_waiting)
@@ -582,8 +582,9 @@ def body_too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-def check_options(max_waiting: int | None, max_body_bytes: int, shutdown_timeout: float,
-                  api_key: str | None) -> None:
+def check_options(max_waiting: int | None, max_body_bytes: int, api_key: str | None,
+                  key_for_all: bool = False,
+                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Refuse bad server options at startup (before any model is loaded, from the CLI)."""
     if max_waiting is not None and (isinstance(max_waiting, bool)
                                     or not isinstance(max_waiting, int) or max_waiting < 1):
@@ -600,6 +601,8 @@ def check_options(max_waiting: int | None, max_body_bytes: int, shutdown_timeout
                                 or api_key != api_key.strip() or " " in api_key):
         raise ValueError("the API key must be non-empty printable ASCII without spaces "
                          "(a header carries it)")
+    if key_for_all and api_key is None:
+        raise ValueError("--api-key-for-all needs a key (--api-key or TINY_LLM_API_KEY)")
 
 
 # ANCHOR: app
@@ -668,7 +671,7 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     import uvicorn
 
-    check_options(max_waiting, max_body_bytes, shutdown_timeout, api_key)
+    check_options(max_waiting, max_body_bytes, api_key, key_for_all, shutdown_timeout)
     server = Server(engine, model_name, max_waiting, max_body_bytes=max_body_bytes,
                     api_key=api_key, key_for_all=key_for_all)
     from sse_starlette.sse import AppStatus

@@ -4,7 +4,7 @@
   class of the same family loaded with the same weights (the model oracle);
 - ``runs``: greedy parameters, a request served alone (the batching oracle), staggered
   arrivals, random workloads, a model wrapper that records logits;
-- ``devices``: tests by device (``skip_on_gpu``, the ``cpu_device`` fixture);
+- ``devices``: tests by device (the ``cpu_device`` and ``gpu_decisions`` fixtures);
 - ``paged``: paged-attention cases over shuffled, poisoned pools, and the dense references
   (plain MLX ops at float32, numpy at float64) every paged walk is checked against.
 """

@@ -1,23 +1,17 @@
 """Tests by device: what holds only on a CPU, and the GPU's decisions rehearsed on Linux.
 
-A test whose property cannot hold on a GPU is marked ``skip_on_gpu(reason)``: skipped on a
-Mac's GPU and in the GPU rehearsal (``tiny_llm.device``), with the reason printed. A test of
-a CPU-only path runs with the CPU as MLX's device (the ``cpu_device`` fixture), so on a Mac
-it still runs, on the Mac's CPU. A test of the GPU's decisions takes ``gpu_decisions``: the
-GPU's own on a Mac, rehearsed on the CPU elsewhere.
+A test of a CPU-only path (the CPU kernels, a course task's C++) runs with the CPU as MLX's
+device (the ``cpu_device`` fixture), so on a Mac it still runs, on the Mac's CPU, and in the
+GPU rehearsal (``tiny_llm.device``) it runs as in the main pass. A test of the GPU's
+decisions takes ``gpu_decisions``: the GPU's own on a Mac, rehearsed on the CPU elsewhere.
 """
 
 from collections.abc import Iterator
 
-from tiny_llm.device import planning_for_cpu, plans_for_gpu, rehearsing_gpu, set_gpu_rehearsal
+from tiny_llm.device import planning_for_cpu, rehearsing_gpu, set_gpu_rehearsal
 
 import mlx.core as mx
 import pytest
-
-
-def skip_on_gpu(reason: str) -> pytest.MarkDecorator:
-    """Skip where the engine plans for a GPU, saying why the test cannot hold there."""
-    return pytest.mark.skipif(plans_for_gpu(), reason=f"not on a GPU: {reason}")
 
 
 @pytest.fixture
