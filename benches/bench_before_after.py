@@ -1,0 +1,161 @@
+"""Two commits of the engine side by side: the serving workloads a change to the engine's core
+must not slow down, and must not change a token of.
+
+A refactor of the core (the step, the model runner, the step metadata, page bookkeeping)
+promises the same tokens at the same speed. This script checks both, in one run: the
+working tree's ``src`` (``HEAD``, or uncommitted changes) and a base commit's, checked out
+into a temporary git worktree, each served by this file's workload code in a process of its
+own, the two alternating in every round (the order rotated; ``--rounds``, default 3;
+medians). The compiled extension is the working tree's in both, so the base must have the
+same ``src/extensions`` (the script refuses otherwise).
+
+Workloads (SmolLM2-135M-Instruct, float32, on the CPU):
+
+- ``W32``: ``bench_cpu_speed``'s serving workload (32 requests of 32-512 prompt and 32-128
+  output tokens, all at t=0) through the default engine;
+- the progression: ``bench_week3_day5``'s workload (16 requests, 8 sharing a system prefix)
+  through each of its nine engine configurations, one after another.
+
+Reported per workload and configuration: output tok/s of each tree (median), after / before,
+and whether every request's greedy tokens are the base's.
+
+    python benches/bench_before_after.py --base 1cd6b45   # about 15 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, Table, bench_parser, save_results
+
+NAME = "bench_before_after"
+W32 = "W32 (default engine)"
+
+
+def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
+    """Every request added at t=0, stepped to the end; wall time and each request's tokens."""
+    from common import greedy
+
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(n))
+           for p, n in zip(prompts, outputs, strict=True)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    seconds = time.perf_counter() - start
+    generated = sum(map(len, tokens.values()))
+    return dict(seconds=seconds, tok_per_s=generated / seconds,
+                tokens=[tokens[i] for i in ids])
+
+
+def worker() -> None:
+    """Serve every workload on the ``tiny_llm`` that PYTHONPATH names; print JSON."""
+    import tiny_llm
+    from tiny_llm.day3_paged_kv import blocks_needed
+    from tiny_llm.engine import LLMEngine
+
+    from bench_cpu_speed import workload as w32_workload
+    from bench_week3_day5 import CONFIGS, FULL, MAX_NUM_SEQS, PAGE_SIZE
+    from bench_week3_day5 import workload as progression_workload
+    from common import load_model, use_cpu
+
+    use_cpu()
+    model, tokenizer, _ = load_model(quick=False)
+    results = {"src": str(Path(tiny_llm.__file__).parent)}
+    prompts, outputs = w32_workload(False, model.config.vocab_size)
+    results[W32] = serve(LLMEngine(model, tokenizer), prompts, outputs)
+    prompts, outputs = progression_workload(FULL, model.config.vocab_size)
+    longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
+    num_pages = MAX_NUM_SEQS * blocks_needed(longest, PAGE_SIZE)
+    for label, opts in CONFIGS:
+        paged = dict(num_pages=num_pages) if opts.get("kv_cache", "paged") == "paged" else {}
+        engine = LLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS,
+                           max_model_len=FULL["max_model_len"], **paged, **opts)
+        results[label] = serve(engine, prompts, outputs)
+    print(json.dumps(results))
+
+
+def run_tree(src: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0"}
+    out = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    if Path(result["src"]) != src / "tiny_llm":
+        raise SystemExit(f"the worker imported {result['src']}, not {src}")
+    return result
+
+
+def base_tree(base: str, root: Path) -> Path:
+    """A worktree of ``base`` under ``root`` with the working tree's built extension."""
+    diff = subprocess.run(["git", "diff", "--quiet", base, "--", "src/extensions"],
+                          cwd=REPO_ROOT)
+    if diff.returncode != 0:
+        raise SystemExit(f"{base} has other src/extensions than the working tree: the two "
+                         "cannot share one build")
+    tree = root / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), base], cwd=REPO_ROOT,
+                   check=True, capture_output=True)
+    native = REPO_ROOT / "src/tiny_llm/_native"
+    for built in native.glob("*.so"):
+        shutil.copy2(built, tree / "src/tiny_llm/_native" / built.name)
+    return tree
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--base", required=True, help="the commit to compare against")
+    args = ap.parse_args()
+    base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO_ROOT,
+                              check=True, capture_output=True, text=True).stdout.strip()
+    trees = {"after": REPO_ROOT / "src"}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees["before"] = base_tree(base_rev, Path(tmp)) / "src"
+        try:
+            rounds: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            for r in range(args.rounds):
+                order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+                for side in order:
+                    rounds[side].append(run_tree(trees[side]))
+                print(f"round {r + 1}/{args.rounds} done", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"].parent)],
+                           cwd=REPO_ROOT, check=False)
+    labels = [k for k in rounds["after"][0] if k != "src"]
+    rows, data = [], {}
+    for label in labels:
+        tps = {side: statistics.median(rnd[label]["tok_per_s"] for rnd in rounds[side])
+               for side in rounds}
+        same = all(rnd[label]["tokens"] == rounds["before"][0][label]["tokens"]
+                   for side in rounds for rnd in rounds[side])
+        data[label] = {side: [rnd[label]["tok_per_s"] for rnd in rounds[side]]
+                       for side in rounds} | {"same_tokens": same}
+        rows.append([label, tps["before"], tps["after"], tps["after"] / tps["before"],
+                     "yes" if same else "no"])
+    table = Table(
+        title=f"The engine before ({base_rev}) and after: output tok/s, side by side",
+        headers=["workload / configuration", "before tok/s", "after tok/s", "after / before",
+                 "same tokens"],
+        rows=rows, formats=["", ".1f", ".1f", ".3f", ""],
+        note=("SmolLM2-135M-Instruct (float32) on the CPU; W32: 32 requests at t=0 "
+              "(bench_cpu_speed's workload), default engine; the other rows: "
+              "bench_week3_day5's progression workload (16 requests) per configuration. Each "
+              "tree in its own process, the two alternating every round; medians; same "
+              "tokens: every request's greedy tokens equal in every round of both trees."))
+    save_results(NAME, dict(base=base_rev, results=data), [table], rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker()
+    else:
+        main()
