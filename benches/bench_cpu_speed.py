@@ -89,7 +89,7 @@ def serve_engine(model: Any, tokenizer: Any, prompts: list[list[int]], outputs: 
     sched = engine.scheduler
     steps = []
     start = time.perf_counter()
-    computed = engine.counters["num_prompt_tokens_computed"]
+    computed = engine.core.counters["num_prompt_tokens_computed"]
     while engine.has_unfinished_requests():
         rows = len(sched.running)
         t0 = time.perf_counter()
@@ -98,8 +98,8 @@ def serve_engine(model: Any, tokenizer: Any, prompts: list[list[int]], outputs: 
         elapsed = time.perf_counter() - t0
         # A step prefills if it computed prompt tokens (a request waiting for a free slot
         # does not make a step of decodes a prefill step).
-        prefill = engine.counters["num_prompt_tokens_computed"] > computed
-        computed = engine.counters["num_prompt_tokens_computed"]
+        prefill = engine.core.counters["num_prompt_tokens_computed"] > computed
+        computed = engine.core.counters["num_prompt_tokens_computed"]
         steps.append((prefill, elapsed, rows))
     wall = time.perf_counter() - start
     prefill = [s for s in steps if s[0]]

@@ -74,7 +74,7 @@ interleaved, and ratios are taken within the run.
    of the batch layout, the attention backend's per-step metadata, graph construction, MLX
    evaluation of the forward, sampling and bookkeeping), measured by wrapping the engine's
    public parts (``engine.scheduler.schedule``, ``engine.kv.layout``,
-   ``engine.attention.begin_step``, ``engine.model``).
+   ``engine.attention.begin_step``, ``engine.runner.model``).
 
    Then the same requests through mlx-lm with the same float32 arrays
    (``mlx_lm.models.llama.Model`` built from our ``ModelConfig``): ``BatchGenerator`` driven
@@ -551,7 +551,7 @@ class EngineRun:
         engine.scheduler.schedule = timed_schedule
         engine.kv.layout = timed_layout
         engine.attention.begin_step = timed_begin
-        engine.model = TimedModel(engine.model, t)
+        engine.runner.model = TimedModel(engine.model, t)
 
     def dense_sizes(self) -> list[int]:
         return [c.nbytes() for c in self.engine.kv.caches] if self.dense else []

@@ -69,13 +69,13 @@ def run(model, tokenizer, **config):
 
     engine = LLMEngine(model, tokenizer, num_pages=64, **config)
     logits = []
-    sample = engine._sample
+    sample = engine.runner.sample
 
-    def recorded(step_logits, batch):
+    def recorded(step_logits, batch, verify=None):
         logits.append(np.array(step_logits))
-        return sample(step_logits, batch)
+        return sample(step_logits, batch, verify)
 
-    engine._sample = recorded
+    engine.runner.sample = recorded
     prompts, params = workload(5, seed=11, max_tokens=(3, 10), hi=50)
     before = cpu_fused.fused_layers_run
     tokens = tokens_of(engine, prompts, params)

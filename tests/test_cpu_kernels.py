@@ -337,19 +337,15 @@ def test_step_batch_counts_the_leading_single_row_sequences():
         def token_ids_between(self, start, end):
             return list(range(start, end))
 
-    class NoKV:
-        def layout(self, chunks):
-            return {}
-
     sizes = [(7, 8), (7, 8), (0, 5), (7, 8)]  # two decodes, a prefill chunk, a decode
     chunks = [ScheduledChunk(Seq(), s, e) for s, e in sizes]
-    assert StepBatch.build(chunks, NoKV()).decode_rows == 2
-    assert StepBatch.build(chunks[2:], NoKV()).decode_rows == 0
-    assert StepBatch.build(chunks[:2], NoKV()).decode_rows == 2
+    assert StepBatch.build(chunks, None).decode_rows == 2
+    assert StepBatch.build(chunks[2:], None).decode_rows == 0
+    assert StepBatch.build(chunks[:2], None).decode_rows == 2
     # a one-token prefill chunk short of the prompt's end has no logit row: it ends the
     # prefix, so the decode rows of the batch and of the logits stay the same rows
     mid_prompt = ScheduledChunk(Seq(), 3, 4)
-    step = StepBatch.build([chunks[0], mid_prompt, chunks[1]], NoKV())
+    step = StepBatch.build([chunks[0], mid_prompt, chunks[1]], None)
     assert step.decode_rows == 1 and step.logit_rows.tolist() == [0, 2]
 
 

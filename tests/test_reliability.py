@@ -166,9 +166,9 @@ class FailingGenerator:
 
 def inject(engine: LLMEngine, point: str, at: int) -> None:
     if point == "forward":
-        engine.model = FailingModel(engine.model, at)
+        engine.runner.model = FailingModel(engine.model, at)
     elif point == "attention":
-        engine.attention = FailingAttention(engine.attention, at)
+        engine.runner.attention = FailingAttention(engine.attention, at)
     elif point == "commit":  # Ctrl-C while the step's results are being recorded
         finish_step = engine.scheduler.finish_step
         calls = [0]

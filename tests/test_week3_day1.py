@@ -26,6 +26,7 @@ from tiny_llm.day1_batching import (
 from tiny_llm.engine import LLMEngine
 from tiny_llm.request import RequestStatus
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.step import DenseLayout
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
 import pytest
@@ -336,7 +337,7 @@ def test_dense_slots_are_taken_once_and_reused():
     slots.free(a)  # freeing twice changes nothing
     assert slots.free_slots == [slot_a]
     assert slots.allocate(c, 3) and slots.slot_of[c] == slot_a  # reused at once
-    assert slots.layout([]) == {"caches": []}
+    assert slots.layout([]) == DenseLayout([])
 
 
 @pytest.mark.task("1.3")

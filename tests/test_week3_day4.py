@@ -579,7 +579,8 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
     for attention in ("vector", "reference", "gather"):
         engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", attention=attention,
                            page_size=8, **common, **spec["paged"])  # a page size Metal takes
-        checked = engine.attention = CheckedAttention(engine.attention)  # metadata checked
+        # metadata checked
+        checked = engine.runner.attention = CheckedAttention(engine.attention)
         results[attention] = run_staggered(engine, jobs)
         stats[attention] = engine.stats()
         engine.kv.blocks.check_invariants()

@@ -317,7 +317,7 @@ def test_chunked_prefill_through_the_flash_schedule_equals_one_shot_dense(
         recorder = RecordingModel(tiny_model)
         engine = LLMEngine(recorder, smollm_tokenizer, max_num_seqs=1, num_pages=64,
                            page_size=page_size, max_num_batched_tokens=chunk)
-        checked = engine.attention = CheckedAttention(engine.attention)
+        checked = engine.runner.attention = CheckedAttention(engine.attention)
         out = engine.generate({"prompt_token_ids": prompt}, greedy(4), use_tqdm=False)
         generated = out[0].outputs[0].token_ids
         prefill_steps = -(-length // chunk)
@@ -338,7 +338,7 @@ def test_long_prompt_prefills_in_chunks_and_matches_dense(tiny_model, smollm_tok
     prompt = [random.Random(3).randrange(100, 40000) for _ in range(length)]
     recorder = RecordingModel(tiny_model)
     engine = LLMEngine(recorder, smollm_tokenizer, max_num_seqs=1, max_num_batched_tokens=chunk)
-    checked = engine.attention = CheckedAttention(engine.attention)
+    checked = engine.runner.attention = CheckedAttention(engine.attention)
     out = engine.generate({"prompt_token_ids": prompt}, greedy(2), use_tqdm=False)
     generated = out[0].outputs[0].token_ids
     assert len(generated) == 2
@@ -378,7 +378,7 @@ def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, att
     engine = LLMEngine(tiny_model, smollm_tokenizer, **FINAL, attention=attention)
     if attention == "flash":  # the defaults are the final engine
         assert LLMEngine(tiny_model, smollm_tokenizer, num_pages=8).config.attention == "flash"
-    checked = engine.attention = CheckedAttention(engine.attention)
+    checked = engine.runner.attention = CheckedAttention(engine.attention)
     assert engine.config.enable_prefix_caching and engine.config.enable_chunked_prefill
     got = tokens_of(engine, prompts, params)
     stats = engine.stats()

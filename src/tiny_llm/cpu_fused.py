@@ -6,9 +6,10 @@ decode step of a small model each op computes little, so building the ops in Pyt
 scheduling them in MLX is a large share of a one-request step, and even two ops a layer
 leave over a hundred ops a step for the default model, each built and scheduled on the
 main thread beside the cores' kernels (``benches/bench_cpu_decode.py`` and the book's
-performance appendix measure it). Inside
-``kernel_forward`` a step whose rows are all decode rows therefore runs each run of
-consecutive dense layers as one op, ``decoder_layers``; per layer:
+performance appendix measure it). For a step whose rows are all decode rows the model
+runner therefore hands the model a ``FusedDecode`` (the pool, the step's layout, its
+modes), and the model runs each run of consecutive dense layers as one op,
+``decoder_layers``; per layer:
 
 - the input norm, the q/k/v projections (and their biases), the per-head q/k norms and
   RoPE;
@@ -35,19 +36,21 @@ The fused layers serve what those kernels serve: float32 on a CPU stream with th
 extension (a learner's kernels run op by op: they are what the course tests), projections
 that are all ``Linear`` or all ``QuantizedLinear`` of one served format within each call
 (q/k/v, o, gate/up, down), no biases but q/k/v's, a dense MLP, and an attention backend that
-writes the extension's pages and attends with its kernels (Day 4's and Day 5's kernel
-backends offer ``write_pages``). MoE layers run op by op between runs of fused ones;
-anything else, and every step with prefill rows, runs op by op.
+attends over the extension's pages with its kernels (Day 4's and Day 5's kernel backends:
+the runner offers a ``FusedDecode`` only with those). MoE layers run op by op between runs
+of fused ones; anything else, and every step with prefill rows, runs op by op.
 """
 
 from __future__ import annotations
 
 import operator
 import sys
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tiny_llm.cpu_kernels import Linear, QuantizedLinear, fused_step, kernel_reads_scales, native
+from tiny_llm.cpu_kernels import Linear, QuantizedLinear, kernel_reads_scales, kernels_on, native
 from tiny_llm.extension import extension
+from tiny_llm.step import PagedLayout
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,31 +59,60 @@ import mlx.nn as nn
 fused_layers_run = 0
 
 
+class LayerArrays(NamedTuple):
+    """One layer's arrays, in the order ``decoder_run`` takes them (``DecoderLayerArrays``
+    in ``cpu_decoder.h``). A projection is ``(arrays, group_size, bits)``: bits 0 for
+    float32 weights ``[w, ...]``, else ``[w, scales, biases, ...]``."""
+
+    input_norm: mx.array
+    qkv: tuple[list[mx.array], int, int]
+    qkv_biases: list[mx.array]  # [] or q, k and v's
+    qk_norms: list[mx.array]  # [] or Qwen3's q_norm and k_norm weights
+    inv_freq: mx.array  # RoPE's per-pair inverse frequencies
+    post_norm: mx.array
+    o_proj: tuple[list[mx.array], int, int]
+    gate_up: tuple[list[mx.array], int, int]
+    down: tuple[list[mx.array], int, int]
+
+
 class _LayerOp(NamedTuple):
     """A layer as decoder_run takes it (``arrays``), its pools' index (``layer``) and what
     the layers of one run must share (``shared``)."""
 
-    arrays: tuple[Any, ...]
+    arrays: LayerArrays
     layer: int
     shared: tuple[Any, ...]
 
 
+# ANCHOR: fused_decode
+@dataclass(frozen=True)
+class FusedDecode:
+    """What the fused op needs of a decode-only step, handed to the model by the model
+    runner: the page pool it writes, the step's layout, and the modes of the step."""
+
+    pool: Any  # Day 3's PagePool (per-layer ``k`` and ``v`` lists), written in place
+    layout: PagedLayout  # slot mapping and the block-table interface's arrays
+    tiled: bool  # the attention backend's schedule (Day 5's tiles or Day 4's vectors)
+    int8: bool  # quantized layers' rows in int8 (``int8_activations``)
+# ANCHOR_END: fused_decode
+
+
 def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.array,
-                         cache: Any) -> mx.array | None:
+                         cache: Any, fused: FusedDecode) -> mx.array | None:
     """``x`` through ``blocks`` (the model's decoder layers, in order) with each run of
-    consecutive layers the fused op serves as one op and the others op by op, or None when
-    the step is not one it serves (then the caller runs every layer op by op)."""
-    step = fused_step()
-    if (step is None or getattr(cache, "write_pages", None) is None or x.ndim != 2
-            or x.shape[0] > step[0] or x.dtype != mx.float32 or extension() is not native()):
+    consecutive layers the fused op serves as one op and the others op by op (attending
+    through ``cache``), or None when the step is not one it serves (then the caller runs
+    every layer op by op)."""
+    if x.ndim != 2 or not kernels_on(x) or extension() is not native():
         return None
     ops = [_layer_op(block) for block in blocks]
-    if not any(ops) or not _pools_held_by_cache_only(cache.pool):
+    pool = fused.pool
+    if not any(ops) or not _pools_held_by_pool_only(pool):
         return None
     if positions.dtype != mx.int32:
         positions = positions.astype(mx.int32)
-    ext, pool = native(), cache.pool
-    step_rows = (cache.step.kv["slot_mapping"], *cache.page_metadata())  # every run's
+    ext, layout = native(), fused.layout
+    step_rows = (layout.slot_mapping, *layout.page_metadata)  # every run's
     global fused_layers_run
     first = 0
     while first < len(blocks):
@@ -95,7 +127,7 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
         run = _decoder_run(blocks[first], ops[first:last])
         layers = [op.layer for op in ops[first:last]]
         x = ext.decoder_layers(run, x, [pool.k[i] for i in layers], [pool.v[i] for i in layers],
-                               positions, *step_rows, tiled=cache.tiled, int8=step[1])
+                               positions, *step_rows, tiled=fused.tiled, int8=fused.int8)
         fused_layers_run += last - first
         first = last
     return x
@@ -117,7 +149,7 @@ def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
     return run
 
 
-def _pools_held_by_cache_only(pool: Any) -> bool:
+def _pools_held_by_pool_only(pool: Any) -> bool:
     """Whether the decoder op may write every layer's pages in place: each pool array is
     referenced only by the pool's lists (Python) and holds the only reference to its buffer
     (MLX: no view, no graph node)."""
@@ -187,8 +219,8 @@ def _read_layer_op(block: nn.Module) -> _LayerOp | None:
     biases = [q_proj["bias"], k_proj["bias"], v_proj["bias"]] if "bias" in q_proj else []
     shared = (attn.n_heads, attn.n_kv_heads, attn.head_dim, in_norm.eps, post_norm.eps,
               rope.dims, rope.traditional, rope.scale, qk_eps, attn.scale)
-    arrays = (in_norm["weight"], qkv, biases, qk_norms, rope._inv_freq, post_norm["weight"],
-              o_proj, gate_up, down)
+    arrays = LayerArrays(in_norm["weight"], qkv, biases, qk_norms, rope.inv_freq,
+                         post_norm["weight"], o_proj, gate_up, down)
     return _LayerOp(arrays, attn.layer, shared)
 
 

@@ -85,36 +85,31 @@ _decode_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("decod
                                                                         default=None)
 # Inside kernel_forward(int8=True): quantized layers' decode rows take int8 activations.
 _int8_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_rows", default=False)
-# Inside kernel_forward(fused=True): decode steps' layers may run as fused ops (cpu_fused.py).
-_fused: contextvars.ContextVar[bool] = contextvars.ContextVar("fused", default=False)
 
 
 # ANCHOR: kernel_forward
 @contextlib.contextmanager
-def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False,
-                   fused: bool = True) -> Iterator[None]:
-    """An engine step's forward. With ``enabled``, the model's CPU ops take the extension's
-    kernels; the first ``decode_rows`` rows of every linear layer's input (and of the
-    logits) belong to single-row sequences. With ``int8``, quantized layers multiply those
-    rows with int8 activations (``quantized_linears``). With ``fused``, a step of decode
-    rows only runs each run of its dense layers as one fused op (``cpu_fused.py``)."""
+def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False
+                   ) -> Iterator[None]:
+    """An engine step's forward (the model runner's). With ``enabled``, the model's CPU ops
+    take the extension's kernels; the first ``decode_rows`` rows of every linear layer's
+    input (and of the logits) belong to single-row sequences. With ``int8``, quantized
+    layers multiply those rows with int8 activations (``quantized_linears``)."""
     # Checked once per forward, not per layer: the device and the extension do not change.
-    on = enabled and not plans_for_gpu() and native() is not None
+    on = kernels_available() and enabled
     token = _decode_rows.set(decode_rows if on else None)
     int8_token = _int8_rows.set(int8 and on)
-    fused_token = _fused.set(fused and on)
     try:
         yield
     finally:
-        _fused.reset(fused_token)
         _int8_rows.reset(int8_token)
         _decode_rows.reset(token)
 
 
-def fused_step() -> tuple[int, bool] | None:
-    """Inside ``kernel_forward(fused=True)`` with the kernels on: the step's decode rows and
-    whether they take int8 activations; else None."""
-    return (_decode_rows.get(), _int8_rows.get()) if _fused.get() else None
+def kernels_available() -> bool:
+    """Whether the extension's CPU kernels can serve the model: the CPU as the device the
+    engine plans for, and the extension built."""
+    return not plans_for_gpu() and native() is not None
 
 
 def kernels_on(*arrays: mx.array) -> bool:
@@ -170,7 +165,7 @@ def check_int8_activations(model: nn.Module) -> None:
     """Raise ValueError unless int8 activations can serve ``model``: on a CPU with the
     extension built, and quantized layers (weights kept as stored) all in formats the int8
     kernel serves."""
-    if plans_for_gpu() or native() is None:
+    if not kernels_available():
         raise ValueError("int8_activations runs on the extension's CPU kernels: it needs the "
                          "CPU as the default device and the extension built")
     layers = [(name, m) for name, m in model.named_modules()

@@ -38,7 +38,13 @@ from typing import Any, ClassVar, Protocol
 
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.request import RequestStatus
-from tiny_llm.step import AttentionGeometry, ScheduledChunk, StepBatch
+from tiny_llm.step import (
+    AttentionGeometry,
+    DenseLayout,
+    PagedLayout,
+    ScheduledChunk,
+    StepBatch,
+)
 
 import mlx.core as mx
 
@@ -55,7 +61,7 @@ class KVSpace(Protocol):
 
     def free(self, request: Any) -> None: ...
 
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+    def layout(self, chunks: list[ScheduledChunk]) -> DenseLayout | PagedLayout | None:
         """What attention needs to find the step's sequences in this storage."""
         ...
 
@@ -102,6 +108,7 @@ class Scheduler:
         self.kv = kv if kv is not None else UnboundedKV()
         self.waiting: deque = deque()
         self.running: list = []
+        self.num_preemptions = 0  # requests sent back to waiting (Day 3 preempts)
 
     def add(self, request) -> None:
         request.status = RequestStatus.WAITING
@@ -202,8 +209,8 @@ class UnboundedKV:
     def free(self, request) -> None:
         pass
 
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
-        return {}
+    def layout(self, chunks: list[ScheduledChunk]) -> None:
+        return None
 
 
 # ANCHOR: dense_slots
@@ -231,8 +238,8 @@ class DenseSlots(UnboundedKV):
             self.free_slots.append(slot)
         # END TASK
 
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
-        return {"caches": [self.caches[self.slot_of[c.request]] for c in chunks]}
+    def layout(self, chunks: list[ScheduledChunk]) -> DenseLayout:
+        return DenseLayout([self.caches[self.slot_of[c.request]] for c in chunks])
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.caches)
@@ -266,14 +273,14 @@ class DenseAttention:
         # TASK 1.6: DenseAttention.attend — Attention over a flat batch
         step = self.step
         qsl, outs = step.query_start_loc, []
-        for b, (chunk, cache) in enumerate(zip(step.chunks, step.kv["caches"], strict=True)):
+        for b, (chunk, cache) in enumerate(zip(step.chunks, step.kv.caches, strict=True)):
             lo, hi = qsl[b], qsl[b + 1]
             outs.append(cache.attend_at(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale, chunk.start))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
         # END TASK
 
     def state(self) -> list[mx.array]:
-        caches = self.step.kv["caches"]  # the step's sequences: only their buffers changed
+        caches = self.step.kv.caches  # the step's sequences: only their buffers changed
         return [a for c in caches for a in c.keys + c.values if a is not None]
 # ANCHOR_END: dense_attention
 

@@ -36,13 +36,13 @@ import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from tiny_llm.day1_batching import BatchingSimulator, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.kv_cache import causal_attention
 from tiny_llm.request import RequestStatus
-from tiny_llm.step import AttentionGeometry, ScheduledChunk, StepBatch
+from tiny_llm.step import AttentionGeometry, PagedLayout, ScheduledChunk, StepBatch
 
 import mlx.core as mx
 import numpy as np
@@ -309,8 +309,8 @@ class BlockSpace:
     def table(self, request) -> list[int]:
         return self.blocks.tables[request]
 
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
-        return {}
+    def layout(self, chunks: list[ScheduledChunk]) -> None:
+        return None  # no pool: the model-free simulator's storage
 # ANCHOR_END: block_space
 
 
@@ -320,7 +320,6 @@ class PagedScheduler(ChunkedPrefillScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.num_preemptions = 0
         self._preemptions_before_step = 0
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -431,8 +430,8 @@ def slots_for(table: Sequence[int], start: int, end: int, page_size: int) -> lis
 # ANCHOR: paged_space
 class PagedKVSpace(BlockSpace):
     """Paged KV for the engine: the block manager, the page pool, and each step's layout:
-    the block tables of the step's sequences (``-1`` past their pages) and the pool slot of
-    every new token."""
+    the block tables of the step's sequences (``-1`` past their pages), the pool slot of
+    every new token, and the step's context lengths and query start locations as arrays."""
 
     def __init__(self, config, num_pages: int, page_size: int, enable_prefix_caching: bool,
                  dtype: mx.Dtype):
@@ -441,19 +440,23 @@ class PagedKVSpace(BlockSpace):
         self.pool = PagePool(config.num_hidden_layers, num_pages, page_size,
                              config.num_key_value_heads, config.head_dim, dtype)
 
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
+    def layout(self, chunks: list[ScheduledChunk]) -> PagedLayout:
         ps = self.page_size
         tables = [self.table(c.request)[: blocks_needed(c.end, ps)] for c in chunks]
         block_table = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
         slot_mapping: list[int] = []
+        query_start_loc = [0]
         for b, (chunk, table) in enumerate(zip(chunks, tables, strict=True)):
             block_table[b, : len(table)] = table
             slot_mapping += slots_for(table, chunk.start, chunk.end, ps)
-        return {
-            "tables": tables,
-            "block_table": mx.array(block_table),
-            "slot_mapping": mx.array(slot_mapping, dtype=mx.int32),
-        }
+            query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
+        return PagedLayout(
+            tables,
+            mx.array(slot_mapping, dtype=mx.int32),
+            mx.array(block_table),
+            mx.array([c.end for c in chunks], dtype=mx.int32),
+            mx.array(query_start_loc, dtype=mx.int32),
+        )
     # ANCHOR_END: paged_space
 
     def nbytes(self) -> int:
@@ -490,11 +493,11 @@ class GatherAttention:
         self.step = step
         self.context_slots = [
             mx.array(slots_for(table, 0, end, self.page_size), dtype=mx.int32)
-            for table, end in zip(step.kv["tables"], step.context_lens, strict=True)
+            for table, end in zip(step.kv.tables, step.context_lens, strict=True)
         ]
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        self.pool.write(layer, self.step.kv["slot_mapping"], k, v)
+        self.pool.write(layer, self.step.kv.slot_mapping, k, v)
         qsl, outs = self.step.query_start_loc, []
         for b, slots in enumerate(self.context_slots):
             lo, hi = qsl[b], qsl[b + 1]

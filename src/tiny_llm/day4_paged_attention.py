@@ -224,11 +224,10 @@ class PageWalkAttention:
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step
-        self.walk = PageWalk.of(step.kv["block_table"], mx.array(step.context_lens),
-                                mx.array(step.query_start_loc), self.pool.page_size)
+        self.walk = PageWalk.of(*step.kv.page_metadata, self.pool.page_size)
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        self.pool.write(layer, self.step.kv["slot_mapping"], k, v)
+        self.pool.write(layer, self.step.kv.slot_mapping, k, v)
         return page_walk(q, self.pool.k[layer], self.pool.v[layer], self.walk, scale)
 
     def state(self) -> list[mx.array]:
@@ -253,8 +252,6 @@ class VectorKernelAttention:
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step
-        self.context_lens = mx.array(step.context_lens, dtype=mx.int32)
-        self.query_start_loc = mx.array(step.query_start_loc, dtype=mx.int32)
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         return self.attend_pages(q, *self.write_pages(layer, k, v), scale)
@@ -264,17 +261,13 @@ class VectorKernelAttention:
         pool = self.pool
         # The old pools are dropped as the new ones are stored: the write happens in place.
         pool.k[layer], pool.v[layer] = paged_kv_write(
-            pool.k[layer], pool.v[layer], k, v, self.step.kv["slot_mapping"], validate=False
+            pool.k[layer], pool.v[layer], k, v, self.step.kv.slot_mapping, validate=False
         )
         return pool.k[layer], pool.v[layer]
 
-    def page_metadata(self) -> tuple[mx.array, mx.array, mx.array]:
-        """The step's block table, context lengths and query start locations."""
-        return self.step.kv["block_table"], self.context_lens, self.query_start_loc
-
     def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
                      scale: float) -> mx.array:
-        return paged_attention(q, k_pages, v_pages, *self.page_metadata(), scale,
+        return paged_attention(q, k_pages, v_pages, *self.step.kv.page_metadata, scale,
                                validate=False, tiled=self.tiled)
 
     def state(self) -> list[mx.array]:

@@ -174,12 +174,10 @@ class TiledWalkAttention(PageWalkAttention):
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step
-        self.walk = TileWalk.of(step.kv["block_table"], mx.array(step.context_lens),
-                                mx.array(step.query_start_loc), self.pool.page_size,
-                                self.TILE_ROWS)
+        self.walk = TileWalk.of(*step.kv.page_metadata, self.pool.page_size, self.TILE_ROWS)
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        self.pool.write(layer, self.step.kv["slot_mapping"], k, v)
+        self.pool.write(layer, self.step.kv.slot_mapping, k, v)
         return tile_walk(q, self.pool.k[layer], self.pool.v[layer], self.walk, scale)
 
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.cpu_fused import fused_decoder_layers
+from tiny_llm.cpu_fused import FusedDecode, fused_decoder_layers
 from tiny_llm.cpu_kernels import (
     Embedding,
     Linear,
@@ -195,6 +195,11 @@ class RoPE(nn.Module):
         # the model on another thread (the server's), where that stream does not exist.
         mx.eval(self._inv_freq, *([] if self._freqs is None else [self._freqs]))
 
+    @property
+    def inv_freq(self) -> mx.array:
+        """Per-pair inverse frequencies (private to nn.Module: not a parameter)."""
+        return self._inv_freq
+
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         if kernels_on(x):  # the extension's one op (cpu_kernels.py says why)
             return rope(x, positions, self._inv_freq, self.dims, self.traditional, self.scale)
@@ -311,16 +316,19 @@ class Model(nn.Module):
         positions: mx.array,
         cache: KVCache,
         logit_rows: mx.array | None = None,
+        fused: FusedDecode | None = None,
     ) -> mx.array:
         """Run the step's flat batch ``tokens [T]`` at ``positions [T]``.
 
         Returns logits ``[R, vocab]`` for the rows in ``logit_rows`` (all ``T`` rows if
         None). The engine asks only for each sequence's last scheduled token: the vocab
         projection is the largest matmul of a step, so skipping the other rows matters.
+        ``fused``: a decode-only step the runner offers to ``cpu_fused``'s fused layers.
         """
         h = self.model.embed_tokens(tokens)
-        if (fused := fused_decoder_layers(self.model.layers, h, positions, cache)) is not None:
-            h = fused  # a decode step on a CPU: runs of layers as single ops, the same bits
+        if fused is not None and (out := fused_decoder_layers(
+                self.model.layers, h, positions, cache, fused)) is not None:
+            h = out  # a decode step on a CPU: runs of layers as single ops, the same bits
         else:
             for layer in self.model.layers:
                 h = layer(h, positions, cache)

@@ -32,18 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiny_llm.cpu_kernels import kernel_forward
-from tiny_llm.day3_paged_kv import (
-    BlockSpace,
-    PagedKVSpace,
-    PagedScheduler,
-    blocks_needed,
-    pool_pages,
-)
-from tiny_llm.day5_paged_flash import FlashAttention
+from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler, blocks_needed
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams, filter_logits
-from tiny_llm.step import ScheduledChunk, StepBatch
+from tiny_llm.step import ScheduledChunk
 
 import mlx.core as mx
 import numpy as np
@@ -166,20 +158,17 @@ class _DraftSequence:
 
 class DraftModelProposer:
     """A smaller model with the same tokenizer drafts ``k`` tokens per request, sampled with
-    the request's own parameters and generator, over its own paged KV pool (its own block
-    tables: the request objects are its keys as they are the target's)."""
+    the request's own parameters and generator. It runs through a model runner of its own
+    (the engine's ``ModelRunner`` over the draft's paged KV pool: its own block tables, keyed
+    by the request objects as the target's are)."""
 
-    def __init__(self, model, page_size: int, num_pages: int, cpu_kernels: bool = True,
-                 fused_layers: bool = True):
-        self.model = model
-        # The engine's options (cpu_kernels.py, cpu_fused.py).
-        self.cpu_kernels, self.fused_layers = cpu_kernels, fused_layers
-        self.kv = PagedKVSpace(model.config, num_pages, page_size, False, model.dtype)
-        self.attention = FlashAttention(self.kv)
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.kv: PagedKVSpace = runner.kv
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
 
     def propose(self, requests: list[Request], k: list[int]) -> list[Proposal]:
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.model.config.vocab_size
         seqs = [_DraftSequence(r) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[np.ndarray]] = [[] for _ in requests]
@@ -192,15 +181,10 @@ class DraftModelProposer:
                 break  # the draft's pool is full: those requests decode without drafts
             chunks = [ScheduledChunk(requests[i], self.computed.get(requests[i], 0),
                                      seqs[i].num_tokens) for i in active]
-            batch = StepBatch.build([ScheduledChunk(seqs[i], c.start, c.end)
-                                     for i, c in zip(active, chunks, strict=True)],
-                                    _Keyed(self.kv, chunks))
-            self.attention.begin_step(batch)
-            with kernel_forward(batch.decode_rows, enabled=self.cpu_kernels,
-                                fused=self.fused_layers):
-                logits = self.model(batch.token_ids, batch.positions, self.attention,
-                                    batch.logit_rows)
-            mx.eval(logits, self.attention.state())
+            # The draft reads its own token sequences, in the pages of the requests' tables.
+            _, logits = self.runner.run([ScheduledChunk(seqs[i], c.start, c.end)
+                                         for i, c in zip(active, chunks, strict=True)],
+                                        self.kv.layout(chunks))
             for row, (i, chunk) in enumerate(zip(active, chunks, strict=True)):
                 self.computed[requests[i]] = chunk.end
                 q = distribution(logits[row], requests[i].params, vocab)
@@ -222,17 +206,6 @@ class DraftModelProposer:
     def release(self, request: Request) -> None:
         self.kv.free(request)
         self.computed.pop(request, None)
-
-
-class _Keyed:
-    """The draft's storage laid out for chunks whose block tables belong to the requests
-    (the chunks StepBatch sees carry the draft's token sequences)."""
-
-    def __init__(self, kv: PagedKVSpace, chunks: list[ScheduledChunk]):
-        self.kv, self.chunks = kv, chunks
-
-    def layout(self, chunks: list[ScheduledChunk]) -> dict[str, Any]:
-        return self.kv.layout(self.chunks)
 
 
 # ---------------------------------------------------------------- the engine's side
@@ -339,12 +312,10 @@ class SpeculativeDecoding:
                     (self.counters["num_accepted_tokens"] / steps) if steps else 0.0}
 
 
-def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
-                        max_model_len: int, max_num_seqs: int,
-                        cpu_kernels: bool = True,
-                        fused_layers: bool = True) -> DraftModelProposer:
-    """A draft proposer for ``draft`` (a path, hub id or model), refused with a clear error
-    unless it shares the target's tokenizer."""
+def load_draft_model(target_model, target_tokenizer, draft) -> Any:
+    """The draft model ``draft`` names (a path or hub id, loaded in the target's dtype, or a
+    ``(Model, Tokenizer)`` pair), refused with a clear error unless it shares the target's
+    tokenizer."""
     from tiny_llm.loader import load
 
     draft_model, draft_tokenizer = (load(draft, dtype=target_model.dtype)
@@ -358,6 +329,4 @@ def make_draft_proposer(target_model, target_tokenizer, draft, page_size: int,
     if draft_tokenizer is not None and draft_tokenizer.encode("Hello, world! 123") != (
             target_tokenizer.encode("Hello, world! 123")):
         raise ValueError("the draft model's tokenizer encodes text differently from the target's")
-    pages = pool_pages(draft_model.config, draft_model.dtype, page_size, max_model_len,
-                       max_num_seqs)
-    return DraftModelProposer(draft_model, page_size, pages, cpu_kernels, fused_layers)
+    return draft_model

@@ -15,8 +15,10 @@ once, and everything downstream reads that one object:
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
   with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
   there (``num_logits``);
-- what the KV storage adds: ``block_table [B, max_pages]`` and ``slot_mapping [T]`` for
-  paged storage (Day 3), the dense caches of the step's sequences otherwise (Day 1).
+- ``kv``, what the KV storage lays out for the step (built once, read as fields): a
+  ``PagedLayout`` for paged storage (Day 3: block tables, slot mapping and the
+  block-table interface's arrays), a ``DenseLayout`` for dense slots (Day 1: the
+  sequences' caches).
 
 Attention is the seam the chapters swap. An ``AttentionBackend`` checks at engine build
 that it can serve the model (``check(geometry)``); at every step it is given the step
@@ -27,7 +29,7 @@ the layer's new K/V and returns each row's causal attention over its sequence's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from tiny_llm.device import planned_device
@@ -60,10 +62,18 @@ class StepBatch:
     sampling: list[Any]  # the requests that sample after this step ...
     num_logits: list[int]  # ... and how many of the logit rows are each one's (in order)
     decode_rows: int  # the leading sequences of one row that samples (decodes)
-    kv: dict[str, Any] = field(default_factory=dict)  # what the KV storage lays out
+    kv: PagedLayout | DenseLayout | None  # what the KV storage lays out (None: nothing)
+
+    @property
+    def decode_only(self) -> bool:
+        """Whether every row of the step is a decode row."""
+        return self.decode_rows == len(self.chunks)
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], kv_space: Any) -> StepBatch:
+    def build(cls, chunks: list[ScheduledChunk], kv: PagedLayout | DenseLayout | None
+              ) -> StepBatch:
+        """The flat batch of ``chunks``; ``kv`` is the storage's layout of the same chunks
+        (``layout(chunks)``)."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -94,9 +104,35 @@ class StepBatch:
             sampling,
             num_logits,
             decodes,
-            kv_space.layout(chunks),
+            kv,
         )
 # ANCHOR_END: step_batch
+
+
+# ANCHOR: layouts
+@dataclass(frozen=True)
+class PagedLayout:
+    """A step's sequences in the page pool (Day 3's ``PagedKVSpace.layout``). The last
+    three arrays are the block-table interface every paged attention reads (Days 4-5)."""
+
+    tables: list[list[int]]  # each sequence's pages, as far as its chunk reaches
+    slot_mapping: mx.array  # int32 [T]: the pool row of every new token
+    block_table: mx.array  # int32 [B, max_pages]: the tables, -1 past their end
+    context_lens: mx.array  # int32 [B]: tokens of each sequence once the step is done
+    query_start_loc: mx.array  # int32 [B + 1]: sequence b owns rows [b] .. [b + 1] - 1
+
+    @property
+    def page_metadata(self) -> tuple[mx.array, mx.array, mx.array]:
+        """``(block_table, context_lens, query_start_loc)``, in the kernels' argument order."""
+        return self.block_table, self.context_lens, self.query_start_loc
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+    """A step's sequences in dense slots (Day 1's ``DenseSlots.layout``)."""
+
+    caches: list[Any]  # each sequence's DenseKVCache, in the step's order
+# ANCHOR_END: layouts
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ class CheckedAttention:
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         if self.storage == "paged":
             pool = self.inner.pool
-            check_metadata(q, pool.k[layer], pool.v[layer], self.step.kv["block_table"],
-                           mx.array(self.step.context_lens, dtype=mx.int32),
-                           mx.array(self.step.query_start_loc, dtype=mx.int32))
+            check_metadata(q, pool.k[layer], pool.v[layer], *self.step.kv.page_metadata)
         self.calls += 1
         return self.inner.attend(layer, q, k, v, scale)
 

@@ -1,0 +1,161 @@
+"""The engine core: one step is schedule → run → commit.
+
+1. The scheduler picks this step's work: a decode token for each running request and
+   prefill chunks for the rest of the token budget (with speculation, a decoding request's
+   drafts become extra rows of its chunk);
+2. the model runner lays the chunks out once as one flat batch — token ids, positions,
+   where each sequence's rows start, and the storage's typed layout — runs one forward
+   (logits only at each sequence's last scheduled token, and only for sequences whose
+   prompt is fully processed) and samples;
+3. the commit records the step: computed tokens and page commits, rejected drafts'
+   pages rewound, tokens appended, stops checked, finished requests retired (their slot
+   and pages free at once), outputs routed to their owners.
+
+A step is all-or-nothing. Everything that can fail (scheduling, the forward, sampling)
+happens before anything is recorded; if it raises — an error, or Ctrl-C — no request
+gains a token or loses text, seeded generators are rewound, and the next step continues
+from there (admissions and preemptions the scheduler made stand: they are valid states,
+and recomputed K/V is exact). The commit cannot fail and holds back Ctrl-C until it is
+done.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+from tiny_llm.day1_batching import Scheduler
+from tiny_llm.engine.outputs import OutputRouter
+from tiny_llm.engine.runner import ModelRunner
+from tiny_llm.request import Request
+from tiny_llm.speculative import SpeculativeDecoding, rewind
+from tiny_llm.step import ScheduledChunk, StepBatch
+
+import mlx.core as mx
+
+
+class EngineCore:
+    """The serving loop over one scheduler, one model runner and, optionally, speculation."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner,
+                 spec: SpeculativeDecoding | None, outputs: OutputRouter):
+        self.scheduler, self.runner, self.spec, self.outputs = scheduler, runner, spec, outputs
+        self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0,
+                         "num_generated_tokens": 0}
+
+    # ANCHOR: step
+    def step(self) -> None:
+        self.reap_abandoned()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
+            return
+        batch, logits = self.runner.run(chunks)
+        tokens = self.runner.sample(logits, batch, self._verify)
+        with _interrupts_held():
+            self._commit(batch, tokens)
+    # ANCHOR_END: step
+
+    def _verify(self, request: Request, logits: mx.array) -> list[int]:
+        return self.spec.verify(request, logits).tokens
+
+    def _commit(self, batch: StepBatch, tokens: list[list[int]]) -> None:
+        """Record a successful step. Pure bookkeeping: nothing here may raise."""
+        emitted = dict(zip(batch.sampling, tokens, strict=True))
+        # A verified chunk computed K/V for its last token and the accepted drafts only.
+        done = [ScheduledChunk(c.request, c.start, c.start + len(emitted[c.request]))
+                if c.end > c.request.num_tokens else c for c in batch.chunks]
+        self.scheduler.finish_step(done)
+        for chunk in batch.chunks:
+            prompt_len = len(chunk.request.prompt_token_ids)
+            self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
+                                                               - chunk.start)
+            if chunk.end > chunk.request.num_tokens:  # drafts rejected: rewind the pages
+                rewind(self.scheduler.kv, chunk.request, chunk.request.num_computed_tokens)
+        for request, new_tokens in emitted.items():
+            request.spec_token_ids = []
+            appended, delta = [], ""
+            for token in new_tokens:
+                appended.append(token)
+                delta += request.append_token(token)
+                if request.is_finished:
+                    break
+            if self.spec is not None and not request.is_finished:
+                self.spec.proposer.rewind(request)
+            if request.is_finished:
+                self.retire(request)
+            self.outputs.route(request, request.output(appended, delta))
+            self.counters["num_generated_tokens"] += len(appended)
+        self.counters["num_steps"] += 1
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def abort(self, request: Request) -> None:
+        """Finish ``request`` with reason "abort", free its slot and pages, route the output."""
+        delta = request.finish("abort")
+        self.retire(request)
+        self.outputs.route(request, request.output([], delta))
+
+    def retire(self, request: Request) -> None:
+        self.scheduler.retire(request)
+        if self.spec is not None:
+            self.spec.proposer.release(request)
+
+    def drop(self, requests: list[Request]) -> None:
+        """Abort and forget requests whose owner is gone (their outputs go nowhere)."""
+        for request in requests:
+            if not request.is_finished:
+                self.retire(request)
+                request.finish("abort")
+            self.outputs.release(request)
+
+    def reap_abandoned(self) -> None:
+        """Abort the requests of streams that were dropped before their end."""
+        abandoned = self.outputs.abandoned
+        while abandoned:
+            request = abandoned.popleft()
+            if not request.is_finished:
+                self.abort(request)
+            self.outputs.release(request)
+
+    def has_unfinished(self) -> bool:
+        self.reap_abandoned()
+        return self.scheduler.has_unfinished() or bool(self.outputs.pending)
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.runner.kv
+        return {
+            **self.counters,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_bytes": kv.nbytes(),
+            **kv.stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
+        }
+
+
+@contextmanager
+def _interrupts_held():
+    """Hold Ctrl-C (SIGINT) until the block is done, then deliver it (main thread only:
+    signal handlers can only be set there, and only it receives KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous != signal.SIG_IGN:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:  # SIG_DFL, or a handler installed from C
+                raise KeyboardInterrupt

@@ -1,0 +1,139 @@
+"""Input processing: a prompt and its sampling parameters in, a checked ``Request`` out.
+
+Everything a request can be refused for is checked here, before the engine changes
+anything: the prompt's form (text, token ids, ``{"prompt_token_ids": ...}`` or chat
+messages), its token ids against the vocabulary, its length against ``max_model_len`` and
+the step budget, the parameters against the vocabulary, and the longest the request may
+grow against the whole KV pool (a request that could never finish, even alone, is refused
+now rather than left waiting forever).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiny_llm.engine.config import EngineConfig
+from tiny_llm.request import Request
+from tiny_llm.sampling import SamplingParams
+from tiny_llm.tokenizer import Tokenizer, check_text
+
+import numpy as np
+from jinja2.exceptions import TemplateError
+
+Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ContextLengthError(ValueError):
+    """A prompt that leaves no room to generate within ``max_model_len``."""
+
+
+class InputProcessor:
+    """Turns prompts into requests for one engine: its tokenizer, vocabulary and limits."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, config: EngineConfig,
+                 max_model_len: int, capacity_tokens: int | None):
+        self.tokenizer, self.vocab_size, self.config = tokenizer, vocab_size, config
+        self.max_model_len = max_model_len
+        self.capacity_tokens = capacity_tokens  # the whole KV pool, None: unbounded
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None,
+                     request_id: str) -> Request:
+        """A checked request; ValueError or TypeError, and nothing made, on bad input."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}"
+                            + (" (use SamplingParams(**d))" if isinstance(params, dict) else ""))
+        text, token_ids = self._tokenize(prompt)
+        token_ids = self._check_prompt(token_ids)
+        self._check_params(params, len(token_ids))
+        return Request(token_ids, params, self.tokenizer.detokenizer(),
+                       self.tokenizer.eos_token_ids, self.max_model_len, request_id, text)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids ``prompt`` would be served with (chat messages templated)."""
+        return self._check_prompt(self._tokenize(prompt)[1])
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            check_text("the prompt", prompt)
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise TypeError("a dict prompt is {'prompt_token_ids': [...]}, got keys "
+                                f"{sorted(map(str, prompt))}")
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise TypeError(
+                    f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
+                )
+            return None, list(ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return None, self._encode_chat(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        hint = " (decode bytes to str first)" if isinstance(prompt, bytes | bytearray) else ""
+        raise TypeError(
+            "a prompt is a string, a list of token ids, {'prompt_token_ids': [...]}, "
+            f"or a list of chat messages; got {type(prompt).__name__}{hint}"
+        )
+
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        for i, message in enumerate(messages):
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    raise TypeError(f"message {i} {key!r} must be a string, got "
+                                    f"{type(message.get(key)).__name__}")
+            if message["role"] not in CHAT_ROLES:  # a role is markup: never free text
+                raise ValueError(f"message {i} has role {message['role'][:40]!r}; a role "
+                                 f"is one of {', '.join(CHAT_ROLES)}")
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(f"message {i} {key!r}", value)
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except TemplateError as e:  # malformed messages, or the template refused them
+            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+
+    def _check_prompt(self, token_ids: list) -> list[int]:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        not_ints = [t for t in token_ids
+                    if isinstance(t, bool) or not isinstance(t, int | np.integer)]
+        if not_ints:
+            raise TypeError(f"prompt token ids must be integers, got {not_ints[:5]}")
+        token_ids = [int(t) for t in token_ids]
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and len(token_ids) > budget:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({budget}), and chunked prefill is off"
+            )
+        return token_ids
+
+    def _check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        capacity = self.capacity_tokens
+        longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
+                      self.max_model_len)
+        if capacity is not None and longest > capacity:
+            raise ValueError(
+                f"the request may need {longest} tokens of KV cache (prompt "
+                f"{num_prompt_tokens} + max_tokens) but the whole pool holds {capacity}; "
+                "lower max_tokens or enlarge the pool (num_pages, kv_memory_bytes)"
+            )

@@ -1,0 +1,329 @@
+"""The engine's front doors: ``LLMEngine`` (add, step, generate, stream, abort, stats) and
+``LLM``, the offline API in vLLM's shape: ``LLM().generate(prompts, params)``.
+
+``LLMEngine`` composes the chapters from its configuration: a KV storage (Day 1's dense
+slots or Day 3's page pool), the scheduler that goes with it (Day 1, Day 2 with chunked
+prefill, Day 3 with pages, speculation's on top), and an attention backend from
+``ATTENTION_BACKENDS`` (Days 1, 3, 4, 5), run by a ``ModelRunner`` inside an
+``EngineCore``. Engine options are keyword arguments; an unknown or mistyped option is an
+error.
+
+Outputs belong to requests. ``generate`` and ``stream`` read their own requests' outputs;
+``step`` returns the outputs of requests added with ``add_request``. Any number of streams,
+``generate`` calls and step loops can interleave, from several threads: the engine
+serialises its calls with one lock (one step at a time). A stream dropped or closed before
+its end aborts its request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from tiny_llm.cpu_kernels import check_int8_activations
+from tiny_llm.day1_batching import DenseSlots, Scheduler
+from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
+from tiny_llm.day3_paged_kv import (
+    PagedKVSpace,
+    PagedScheduler,
+    kv_bytes_per_token,
+    log_pool,
+    pool_pages,
+)
+from tiny_llm.day5_paged_flash import FlashAttention
+from tiny_llm.engine.config import ATTENTION_BACKENDS, EngineConfig
+from tiny_llm.engine.core import EngineCore
+from tiny_llm.engine.inputs import InputProcessor, Prompt
+from tiny_llm.engine.outputs import OutputRouter, RequestStream
+from tiny_llm.engine.runner import KernelSettings, ModelRunner
+from tiny_llm.model import Model
+from tiny_llm.request import Request, RequestOutput
+from tiny_llm.sampling import SamplingParams
+from tiny_llm.speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    SpeculationPolicy,
+    SpeculativeDecoding,
+    SpeculativeScheduler,
+    load_draft_model,
+)
+from tiny_llm.step import AttentionBackend, AttentionGeometry
+from tiny_llm.tokenizer import Tokenizer
+
+import mlx.core as mx
+
+
+# ANCHOR: engine
+class LLMEngine:
+    def __init__(self, model: Model, tokenizer: Tokenizer, **options: Any):
+        self.config = cfg = EngineConfig.from_options(options)
+        self.tokenizer = tokenizer
+        self.max_model_len = _max_model_len(cfg, model)
+        if cfg.int8_activations:
+            check_int8_activations(model)
+        backend = ATTENTION_BACKENDS[cfg.attention]
+        page_size = cfg.page_size if cfg.kv_cache == "paged" else None
+        backend.check(AttentionGeometry.of(model.config, page_size, model.dtype))  # before
+        self.kv = _kv_space(cfg, model, self.max_model_len)  # ... any memory is allocated
+        self.scheduler = _scheduler(cfg, self.kv)
+        kernels = KernelSettings(cfg.cpu_kernels, cfg.int8_activations, cfg.fused_layers)
+        self.runner = ModelRunner(model, self.kv, backend(self.kv), kernels)
+        self.outputs = OutputRouter()
+        self.core = EngineCore(self.scheduler, self.runner,
+                               _speculation(cfg, model, tokenizer, self.max_model_len),
+                               self.outputs)
+        self.inputs = InputProcessor(tokenizer, model.config.vocab_size, cfg,
+                                     self.max_model_len, self.kv.capacity_tokens)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, dtype: str | mx.Dtype = "auto",
+                        dequantize: bool | None = None, **options: Any) -> LLMEngine:
+        """Load ``model`` (``loader.load``: ``dtype`` "auto" is float32 on the CPU and the
+        checkpoint's own dtype on a GPU; ``dequantize=False`` keeps quantized weights as
+        stored) and build an engine over it."""
+        from tiny_llm.loader import load, parse_dtype
+
+        parse_dtype(dtype)  # reject bad options before loading weights
+        EngineConfig.from_options(options)
+        return cls(*load(model, dtype=dtype, dequantize=dequantize), **options)
+
+    @property
+    def model(self) -> Model:
+        return self.runner.model
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self.runner.attention
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Requests by id: live ones and finished ones with outputs not yet delivered."""
+        return self.outputs.requests
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request whose outputs ``step()`` returns. Raises ValueError/TypeError
+        and changes nothing on bad input."""
+        with self._lock:
+            return self._add(prompt, params, request_id, collect=False).request_id
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+             collect: bool) -> Request:
+        self.core.reap_abandoned()
+        request = self.inputs.make_request(prompt, params, self.outputs.new_id(request_id))
+        self.outputs.register(request, collect)
+        self.core.add(request)
+        return request
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids ``prompt`` would be served with (chat messages templated)."""
+        return self.inputs.tokenize(prompt)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a running request with reason "abort" and free its slot and pages now."""
+        with self._lock:
+            request = self.outputs.requests.get(str(request_id))
+            if request is None or request.is_finished:
+                raise ValueError(f"unknown request id {request_id!r} (not running)")
+            self.core.abort(request)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of requests added with ``add_request`` (this
+        step's, and any produced while ``generate``/``stream`` drove the engine)."""
+        with self._lock:
+            self.core.step()
+            return self.outputs.take_pending()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self.core.stats()
+# ANCHOR_END: engine
+
+    # ----------------------------------------------------------- outputs out
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order. All or nothing: a bad
+        prompt adds none of them; an interrupt aborts the ones still running."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        requests: list[Request] = []
+        with self._lock:
+            try:
+                for p, sp in zip(prompts, params, strict=True):
+                    requests.append(self._add(p, sp, None, collect=True))
+            except (ValueError, TypeError):
+                self.core.drop(requests)
+                raise
+        final: dict[Request, RequestOutput] = {}
+        bar = _progress(len(requests), use_tqdm)
+        try:
+            while len(final) < len(requests):
+                with self._lock:
+                    for request in requests:
+                        while request not in final and (out := self.outputs.take(request)):
+                            if out.finished:
+                                final[request] = out
+                                bar.update(1) if bar else None
+                    if len(final) < len(requests):
+                        self.core.step()
+        finally:
+            if bar:
+                bar.close()
+            self.drop([r for r in requests if r not in final])
+        return [final[r] for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+        """An iterator over one request's outputs as they are produced. Bad input raises
+        here, before any iteration; closing or dropping the iterator aborts the request."""
+        with self._lock:
+            return RequestStream(self, self._add(prompt, params, None, collect=True))
+
+    def next_output(self, request: Request) -> RequestOutput:
+        """The next output of a ``stream``'s request, stepping the engine until there is one."""
+        while True:
+            with self._lock:
+                out = self.outputs.take(request)
+                if out is not None:
+                    return out
+                self.core.step()
+
+    def drop(self, requests: list[Request]) -> None:
+        """Abort and forget ``generate``/``stream`` requests whose reader is gone."""
+        with self._lock:
+            self.core.drop(requests)
+
+
+def _max_model_len(cfg: EngineConfig, model: Model) -> int:
+    context = model.config.max_position_embeddings
+    if cfg.max_model_len is not None and cfg.max_model_len > context:
+        raise ValueError(f"max_model_len ({cfg.max_model_len}) exceeds the model's context "
+                         f"length ({context})")
+    max_model_len = cfg.max_model_len or context
+    if cfg.kv_cache == "paged" and not cfg.enable_chunked_prefill and (
+        cfg.max_num_batched_tokens < max_model_len
+    ):
+        # A preempted request recomputes prompt + output in one piece: it must fit.
+        raise ValueError(
+            f"with chunked prefill off and a paged cache, max_num_batched_tokens "
+            f"({cfg.max_num_batched_tokens}) must be at least max_model_len ({max_model_len})"
+        )
+    return max_model_len
+
+
+def _kv_space(cfg: EngineConfig, model: Model, max_model_len: int) -> DenseSlots | PagedKVSpace:
+    mcfg, dtype = model.config, model.dtype
+    if cfg.kv_cache == "dense":
+        return DenseSlots(cfg.max_num_seqs, mcfg.num_hidden_layers)
+    pages = pool_pages(mcfg, dtype, cfg.page_size, max_model_len, cfg.max_num_seqs,
+                       cfg.kv_memory_bytes, cfg.kv_memory_fraction, cfg.num_pages)
+    log_pool(pages, cfg.page_size, kv_bytes_per_token(mcfg, dtype) * cfg.page_size,
+             max_model_len)
+    return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
+
+
+def _scheduler(cfg: EngineConfig, kv: DenseSlots | PagedKVSpace) -> Scheduler:
+    args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
+    chunking = dict(chunked=cfg.enable_chunked_prefill,
+                    long_prefill_token_threshold=cfg.long_prefill_token_threshold)
+    if cfg.speculative != "off":  # drafts become extra rows of a decode's chunk
+        return SpeculativeScheduler(*args, kv=kv, **chunking)
+    if cfg.kv_cache == "paged":  # Day 3
+        return PagedScheduler(*args, kv=kv, **chunking)
+    if cfg.enable_chunked_prefill:  # Day 2
+        return ChunkedPrefillScheduler(*args, kv=kv, **chunking)
+    return Scheduler(*args, kv=kv)  # Day 1
+
+
+def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
+                 max_model_len: int) -> SpeculativeDecoding | None:
+    if cfg.speculative == "off":
+        return None
+    if cfg.speculative == "ngram":
+        proposer = NgramProposer()
+    else:  # the draft model, run as the target is: its own runner over its own pool
+        draft = load_draft_model(model, tokenizer, cfg.draft_model)
+        pages = pool_pages(draft.config, draft.dtype, cfg.page_size, max_model_len,
+                           cfg.max_num_seqs)
+        kv = PagedKVSpace(draft.config, pages, cfg.page_size, False, draft.dtype)
+        kernels = KernelSettings(cfg.cpu_kernels, False, cfg.fused_layers)
+        proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels))
+    policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
+    return SpeculativeDecoding(proposer, policy, model.config.vocab_size)
+
+
+def _params_per_prompt(sampling_params: Any, n: int) -> list[SamplingParams | None]:
+    if isinstance(sampling_params, dict):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                        "dict (use SamplingParams(**d))")
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _is_single_prompt(prompts: Any) -> bool:
+    if isinstance(prompts, str | dict | bytes | bytearray):  # bytes: refused as one prompt
+        return True
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict) and (
+        "role" in prompts[0]
+    )
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total < 2:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", file=sys.stderr, leave=False)
+
+
+class LLM:
+    """vLLM-style offline API: ``LLM(model=None, **engine_options).generate(prompts, params)``."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = LLMEngine.from_pretrained(model, **engine_options)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        return self.engine.generate(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.engine.generate(list(conversations), sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {f.name: getattr(self.engine.config, f.name) for f in fields(EngineConfig)}

@@ -1,0 +1,99 @@
+"""The model runner: a step's chunks in, logits and sampled tokens out.
+
+The runner alone runs a model. For one step it lays the chunks out once (``StepBatch``:
+the flat batch and the storage's typed layout), begins the attention backend's step, runs
+the forward — on a CPU inside ``kernel_forward``, which sends the decode rows to the
+extension's kernels and runs a decode-only step's dense layers as fused ops — and
+evaluates the logits together with the step's K/V writes. ``sample`` then picks each
+sampling request's tokens. The engine serves its model through one runner and speculative
+decoding's draft model through another: the forward is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tiny_llm.cpu_fused import FusedDecode
+from tiny_llm.cpu_kernels import kernel_forward
+from tiny_llm.day4_paged_attention import VectorKernelAttention
+from tiny_llm.model import Model
+from tiny_llm.request import Request
+from tiny_llm.sampling import sample_next_tokens
+from tiny_llm.step import AttentionBackend, DenseLayout, PagedLayout, ScheduledChunk, StepBatch
+
+import mlx.core as mx
+import numpy as np
+
+
+# ANCHOR: kernel_settings
+@dataclass(frozen=True)
+class KernelSettings:
+    """Which of the extension's CPU kernels a runner's forward takes (``cpu_kernels.py``)."""
+
+    cpu_kernels: bool = True  # matmuls, norms, RoPE, SwiGLU; False: MLX's ops
+    int8_activations: bool = False  # quantized layers' decode rows in int8
+    fused_layers: bool = True  # a decode-only step's dense layers as fused ops
+# ANCHOR_END: kernel_settings
+
+
+# ANCHOR: model_runner
+class ModelRunner:
+    """One model over one KV storage and attention backend."""
+
+    def __init__(self, model: Model, kv: Any, attention: AttentionBackend,
+                 kernels: KernelSettings = KernelSettings()):
+        self.model, self.kv, self.attention, self.kernels = model, kv, attention, kernels
+
+    def run(self, chunks: list[ScheduledChunk],
+            layout: PagedLayout | DenseLayout | None = None) -> tuple[StepBatch, mx.array]:
+        """One forward over ``chunks``: the step's batch and the logits of its logit rows.
+        ``layout``: the storage's layout, if not of these chunks' requests (the draft's)."""
+        batch = StepBatch.build(chunks, self.kv.layout(chunks) if layout is None else layout)
+        self.attention.begin_step(batch)
+        k = self.kernels
+        with kernel_forward(batch.decode_rows, enabled=k.cpu_kernels, int8=k.int8_activations):
+            logits = self.model(batch.token_ids, batch.positions, self.attention,
+                                batch.logit_rows, self._fused(batch))
+        mx.eval(logits, self.attention.state())
+        return batch, logits
+
+    def _fused(self, batch: StepBatch) -> FusedDecode | None:
+        """What the fused decoder layers need, for a decode-only step whose attention is
+        one of the extension's kernels (which attend over its pool): else None."""
+        k, attention = self.kernels, self.attention
+        if not (k.cpu_kernels and k.fused_layers and batch.decode_only
+                and isinstance(attention, VectorKernelAttention)):
+            return None
+        return FusedDecode(attention.pool, batch.kv, attention.tiled, k.int8_activations)
+
+    def sample(self, logits: mx.array, batch: StepBatch,
+               verify: Callable[[Request, mx.array], list[int]] | None = None
+               ) -> list[list[int]]:
+        """The tokens each sampling request emits: one, or, for a request with drafts,
+        what ``verify`` makes of its ``k + 1`` rows. On failure, every generator is as it
+        was."""
+        requests = batch.sampling
+        if not requests:
+            return []
+        states = [(r.sampler.rng, r.sampler.rng.bit_generator.state) for r in requests]
+        try:
+            rows = np.cumsum([0, *batch.num_logits])
+            plain = [i for i, n in enumerate(batch.num_logits) if n == 1]
+            tokens: list[list[int]] = [[] for _ in requests]
+            if plain:  # one row each: the sampler takes them together
+                picked = logits if len(plain) == len(requests) else logits[
+                    mx.array([int(rows[i]) for i in plain])]
+                drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain])
+                for i, token in zip(plain, drawn, strict=True):
+                    tokens[i] = [token]
+            for i, n in enumerate(batch.num_logits):
+                if n > 1:  # drafts to verify: k + 1 rows
+                    tokens[i] = verify(requests[i], logits[rows[i] : rows[i] + n])
+            return tokens
+        except BaseException:
+            for rng, state in states:
+                rng.bit_generator.state = state
+            raise
+# ANCHOR_END: model_runner
