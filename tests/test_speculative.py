@@ -142,6 +142,20 @@ def test_rewind_returns_pages_past_the_new_length(before, after, pages):
 
 
 @pytest.mark.task("6.2")
+def test_rewind_refuses_to_cut_into_committed_pages_and_changes_nothing():
+    space, seq = space_with(13)  # pages of 4: 4 pages
+    space.commit(seq, 8)  # two full pages of accepted tokens in the prefix cache
+    bm = space.blocks
+    table, free = list(bm.tables[seq]), bm.num_free_blocks
+    with pytest.raises(ValueError, match="committed"):
+        rewind(space, seq, 7)  # would cut into the second committed page
+    assert bm.tables[seq] == table and bm.lengths[seq] == 13 and bm.num_free_blocks == free
+    rewind(space, seq, 8)  # down to the committed pages themselves is fine
+    assert len(bm.tables[seq]) == 2
+    bm.check_invariants()
+
+
+@pytest.mark.task("6.2")
 def test_random_accepts_and_rejects_conserve_pages():
     """Thousands of speculative steps (grow by the drafts, commit what is accepted, rewind
     the rest) over several sequences sharing a pool with prefix caching: the accounting

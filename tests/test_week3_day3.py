@@ -271,6 +271,24 @@ def test_free_returns_pages_when_no_table_holds_them_and_reuses_the_oldest_first
     assert bm.allocate("d", 4) == [order[0]]
 
 
+@pytest.mark.task("3.4")
+def test_truncate_is_the_one_way_pages_return():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    bm.allocate("a", 14)  # 4 pages
+    bm.attach_prefix("b", bm.tables["a"][:2])  # b shares a's first two pages
+    a_pages = list(bm.tables["a"])
+    bm.truncate("a", 5)  # keeps 2 pages; the last two return, tail first
+    assert bm.tables["a"] == a_pages[:2] and bm.lengths["a"] == 5
+    assert list(bm.free_blocks)[-2:] == [a_pages[3], a_pages[2]]
+    bm.truncate("a", 0)  # a's shared pages keep b's reference
+    assert bm.tables["a"] == [] and all(bm.blocks[p].ref_count == 1 for p in a_pages[:2])
+    bm.free("a")
+    bm.free("a")  # and freeing again, or a sequence never allocated, changes nothing
+    bm.free("never")
+    assert "a" not in bm.tables
+    bm.check_invariants()
+
+
 @pytest.mark.task("3.6")
 def test_slots_translate_positions_through_the_block_table():
     from tiny_llm.day3_paged_kv import slots_for

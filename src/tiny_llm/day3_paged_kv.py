@@ -157,14 +157,30 @@ class BlockManager:
         return table
         # END TASK
 
-    def free(self, seq_id: object) -> None:
+    def truncate(self, seq_id: object, num_tokens: int) -> None:
+        """Keep room for the first ``num_tokens`` tokens only. Each page past them loses the
+        table's reference, tail first; a page no table holds goes back on the free list
+        (keeping its cache identity). The only code that returns pages: ``free`` and
+        speculative decoding's rewind call it."""
         # TASK 3.4: BlockManager.free — Freeing and reusing pages
-        for block_id in reversed(self.tables.pop(seq_id, [])):  # tail pages evicted first
+        table = self.tables[seq_id]
+        keep = blocks_needed(num_tokens, self.block_size)
+        for block_id in reversed(table[keep:]):  # tail pages evicted first
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
-        self.lengths.pop(seq_id, None)
+        del table[keep:]
+        self.lengths[seq_id] = min(self.lengths[seq_id], num_tokens)
+        # END TASK
+
+    def free(self, seq_id: object) -> None:
+        """Return every page of ``seq_id`` and forget its table; a sequence without one
+        (never allocated, or freed already) is left alone."""
+        # TASK 3.4: BlockManager.free — Freeing and reusing pages
+        if seq_id in self.tables:
+            self.truncate(seq_id, 0)
+            del self.tables[seq_id], self.lengths[seq_id]
         # END TASK
 
     def _take_free_block(self) -> int:

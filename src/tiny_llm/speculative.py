@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler, blocks_needed
+from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams, filter_logits
 from tiny_llm.step import ScheduledChunk
@@ -81,23 +81,16 @@ def distribution(logits_row: mx.array | np.ndarray, params: SamplingParams,
 # ANCHOR: rewind
 def rewind(space: BlockSpace, request: Any, num_tokens: int) -> None:
     """Shrink ``request``'s storage to its first ``num_tokens`` tokens: pages past them go
-    back to the pool (freed pages keep no identity they never had: only pages full of
-    accepted tokens were ever committed to the prefix cache)."""
+    back to the pool (``BlockManager.truncate``). Pages committed to the prefix cache hold
+    accepted tokens only and are never rewound: asking for that is an error, and changes
+    nothing."""
     # TASK 6.2: rewind — Rewinding the paged cache
-    bm = space.blocks
-    table = bm.tables[request]
-    keep = blocks_needed(num_tokens, bm.block_size)
-    for block_id in reversed(table[keep:]):
-        block = bm.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            bm.free_blocks[block_id] = None
-    del table[keep:]
-    bm.lengths[request] = min(bm.lengths[request], num_tokens)
+    committed, _ = space.cached_pages.get(request, (0, None))
+    if committed * space.blocks.block_size > num_tokens:
+        raise ValueError(f"cannot rewind to {num_tokens} tokens: {committed} pages of "
+                         "accepted tokens are committed to the prefix cache")
+    space.blocks.truncate(request, num_tokens)
     # END TASK
-    done, parent = space.cached_pages.get(request, (0, None))
-    if done > keep:  # never the case for drafts: committed pages hold accepted tokens only
-        raise ValueError(f"cannot rewind below the {done} pages already committed")
 # ANCHOR_END: rewind
 
 
