@@ -36,7 +36,7 @@ interleaved (the order rotates from call to call), reporting medians and ratios:
 3. **Serving**: SmolLM2-135M (float32) on one workload — 8 requests at t=0 with prompts
    of 100-300 random token ids, 32-48 output tokens each (greedy, ``ignore_eos``),
    ``max_num_seqs=8`` — under these engine configurations: ``kv_cache="dense"``;
-   ``attention="gather"`` (Day 3); ``attention="reference"`` (Day 4's MLX page walk);
+   ``attention="gather"`` (Day 3); ``attention="page_walk"`` (Day 4's MLX page walk);
    ``attention="vector"`` (Day 4's kernel, vector schedule for every row) with the
    extension on every core and on 1 thread. Every engine runs with ``cpu_kernels=False``:
    the model's matmuls, norms and RoPE by MLX's ops (OpenBLAS on one thread) in all of
@@ -140,7 +140,7 @@ CONTROL_MAX_SLOTS = 131072  # the kept-pool control must copy: skip it on the la
 SERVE_CONFIGS: dict[str, dict[str, Any]] = {
     "dense": dict(kv_cache="dense"),
     "paged + gather (Day 3)": dict(kv_cache="paged", attention="gather"),
-    "paged + MLX reference walk (Day 4)": dict(kv_cache="paged", attention="reference"),
+    "paged + MLX reference walk (Day 4)": dict(kv_cache="paged", attention="page_walk"),
     **{f"paged + {kernel_name(n)} (Day 4)": dict(kv_cache="paged", attention="vector",
                                                  kernel_threads=n)
        for n in sorted(KERNEL_THREADS, key=lambda n: -(n or 0))},
@@ -736,7 +736,7 @@ def main() -> None:
             vs_base(n, "tok_per_s"), vs_base(n, "decode_tok_per_s"),
             s["kv_cache_bytes"] / 2**20, s["peak_live_kv_bytes"] / 2**20,
             (s["gather_bytes_per_decode_step"] / 2**20
-             if SERVE_CONFIGS[n].get("attention") not in (None, "reference") else None),
+             if SERVE_CONFIGS[n].get("attention") not in (None, "page_walk") else None),
             (s["pool_copy_bytes_per_decode_step"] / 2**20 if n != "dense" else None),
             int(s["pool_copies"]), mismatch[n],
         ])

@@ -34,7 +34,7 @@ interleaved, and ratios are taken within the run.
    KV, chunked prefill with the default budget of 512 tokens per step, prefix caching on
    but nothing to hit), with ``attention="vector"`` (Day 4's kernel: the vector schedule
    for every row), ``attention="flash"`` (Day 5's kernel: tiles for the prefill chunks),
-   and the MLX walks ``"reference"`` and ``"flash_reference"`` (skipped above
+   and the MLX walks ``"page_walk"`` and ``"tiled_walk"`` (skipped above
    ``ttft_ref_max`` tokens: their page walks copy pages per row or per tile). The kernels
    use every core. TTFT = wall time from the first ``engine.step()`` to the step that
    returns the first token (the request is added just before).
@@ -51,7 +51,7 @@ interleaved, and ratios are taken within the run.
    chunked                         kv_cache="dense", chunked prefill, default budget (512)
    paged + gather                  attention="gather" (Day 3), prefix caching off
    paged + gather, prefix cache    the same with prefix caching on
-   paged + MLX walk                attention="reference" (Day 4's MLX page walk), prefix off
+   paged + MLX walk                attention="page_walk" (Day 4's MLX page walk), prefix off
    paged + vector kernel           attention="vector" (Day 4's kernel), prefix off
    paged + tiled kernel            attention="flash" (Day 5's kernel), prefix off
    final                           the defaults: attention="flash", prefix caching on
@@ -195,7 +195,7 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("paged + gather", dict(PAGED_OFF, attention="gather")),
     ("paged + gather, prefix cache", dict(kv_cache="paged", attention="gather",
                                           enable_prefix_caching=True)),
-    ("paged + MLX walk", dict(PAGED_OFF, attention="reference")),
+    ("paged + MLX walk", dict(PAGED_OFF, attention="page_walk")),
     ("paged + vector kernel", dict(PAGED_OFF, attention="vector")),
     ("paged + tiled kernel", dict(PAGED_OFF, attention="flash")),
     ("final (tiled kernel, prefix cache)", dict()),
@@ -205,10 +205,10 @@ FINAL = CONFIGS[-1][0]
 TTFT_PATHS = {  # attention option -> label
     "vector": "Day 4 vector kernel",
     "flash": "Day 5 tiled kernel",
-    "reference": "MLX reference walk",
-    "flash_reference": "MLX tiled reference walk",
+    "page_walk": "MLX reference walk",
+    "tiled_walk": "MLX tiled reference walk",
 }
-MLX_WALKS = ("reference", "flash_reference")
+MLX_WALKS = ("page_walk", "tiled_walk")
 
 
 # ------------------------------------------------------------------ setup
@@ -439,11 +439,11 @@ def ttft_long(model: Model, tokenizer: Any, sz: dict[str, Any], rounds: int
                          same_first_token=same,
                          spread={a: spread([x["seconds"] for x in v]) for a, v in by.items()}))
         rows.append([n, by["flash"][0]["steps"], t["vector"], t["flash"], ratio,
-                     t.get("reference"), t.get("flash_reference"), "yes" if same else "NO"])
+                     t.get("page_walk"), t.get("tiled_walk"), "yes" if same else "NO"])
     table = Table(
         "2. TTFT of one long prompt: Day 4 vector kernel (attention='vector') vs Day 5 tiled "
-        "kernel (attention='flash'), and the MLX reference walks ('reference', "
-        "'flash_reference'), chunked prefill at the default budget (512 tokens per step)",
+        "kernel (attention='flash'), and the MLX reference walks ('page_walk', "
+        "'tiled_walk'), chunked prefill at the default budget (512 tokens per step)",
         ["prompt tokens", "steps", "Day 4 vector kernel TTFT s", "Day 5 tiled kernel TTFT s",
          "vector / tiled", "MLX reference walk TTFT s", "MLX tiled reference walk TTFT s",
          "same first token"],

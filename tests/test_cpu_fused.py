@@ -135,9 +135,9 @@ def test_scales_as_stored_give_the_bits_of_float32_copies(smollm_tokenizer, dtyp
     assert all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
 
 
-@pytest.mark.parametrize("config", [dict(attention="reference"), dict(attention="gather"),
+@pytest.mark.parametrize("config", [dict(attention="page_walk"), dict(attention="gather"),
                                     dict(cpu_kernels=False), dict(fused_layers=False)],
-                         ids=["reference-walk", "gather", "no-cpu-kernels", "fused-off"])
+                         ids=["page-walk", "gather", "no-cpu-kernels", "fused-off"])
 def test_other_paths_run_op_by_op(smollm_tokenizer, config):
     assert run(model_of("llama"), smollm_tokenizer, **config)[2] == 0
 
@@ -215,18 +215,18 @@ def decode_engine(model, tokenizer):
 
 def test_the_pools_are_written_in_place(smollm_tokenizer):
     from tiny_llm import cpu_fused
-    from tiny_llm.cpu_kernels import native
+    from tiny_llm.extension import reference_extension
 
     engine = decode_engine(model_of("llama"), smollm_tokenizer)
     pool = engine.kv.pool
     # Ids and copies only: a reference to a pool array would keep the op from writing it.
-    ids, copies = [id(a) for a in [*pool.k, *pool.v]], native().pool_copies()
+    ids, copies = [id(a) for a in [*pool.k, *pool.v]], reference_extension().pool_copies()
     before, fused = [np.array(a) for a in [*pool.k, *pool.v]], cpu_fused.fused_layers_run
     engine.step()
     assert cpu_fused.fused_layers_run == fused + engine.model.config.num_hidden_layers
     # The same arrays, one more row each, and no copy of a pool.
     assert ids == [id(a) for a in [*pool.k, *pool.v]]
-    assert native().pool_copies() == copies
+    assert reference_extension().pool_copies() == copies
     for old, new in zip(before, [*pool.k, *pool.v], strict=True):
         changed = np.any(old != np.array(new), axis=-1).reshape(-1, old.shape[2]).any(axis=1)
         assert changed.sum() == 1  # the decode row's slot
@@ -265,9 +265,9 @@ def test_replaced_weights_are_read_again(smollm_tokenizer):
 
 
 def test_bad_input_is_refused():
-    from tiny_llm.cpu_kernels import native
+    from tiny_llm.extension import reference_extension
 
-    ext = native()
+    ext = reference_extension()
     w = [mx.zeros((64, 64)), mx.zeros((32, 64)), mx.zeros((32, 64))]
     norm, inv_freq = mx.ones((64,)), mx.ones((8,))
     mlp = ([mx.zeros((128, 64)), mx.zeros((128, 64))], 0, 0)

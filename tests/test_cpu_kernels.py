@@ -44,9 +44,9 @@ pytestmark = [pytest.mark.usefixtures("cpu_device"), pytest.mark.device_independ
 
 @pytest.fixture(scope="module")
 def ext():
-    from tiny_llm import cpu_kernels
+    from tiny_llm.extension import reference_extension
 
-    module = cpu_kernels.native()
+    module = reference_extension()
     assert module is not None, "the extension must be built for the tests (make setup)"
     return module
 
@@ -257,7 +257,7 @@ def kernel_calls(monkeypatch, ext):
             return getattr(ext, name)
 
     spy = Spy()
-    monkeypatch.setattr(cpu_kernels, "native", lambda: spy)
+    monkeypatch.setattr(cpu_kernels, "reference_extension", lambda: spy)
     return calls
 
 

@@ -576,7 +576,7 @@ def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_toke
     expected = run_staggered(dense, jobs)
     copies = extension().pool_copies()
     results, stats = {}, {}
-    for attention in ("vector", "reference", "gather"):
+    for attention in ("vector", "page_walk", "gather"):
         engine = LLMEngine(tiny_model, smollm_tokenizer, kv_cache="paged", attention=attention,
                            page_size=8, **common, **spec["paged"])  # a page size Metal takes
         # metadata checked

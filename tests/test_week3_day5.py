@@ -368,7 +368,7 @@ FINAL = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=8, num_pages=2
 
 
 @pytest.mark.parametrize("attention", [pytest.param("flash", marks=pytest.mark.task("5.3")),
-                                       pytest.param("flash_reference",
+                                       pytest.param("tiled_walk",
                                                     marks=pytest.mark.task("5.1", "5.2"))])
 def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, attention):
     prompts, params = mixed_workload()
@@ -403,7 +403,7 @@ def test_kernel_path_never_materializes_dense_kv(tiny_model, smollm_tokenizer, m
     forbid(DenseKVCache, "attend_at")  # Days 1-2 keep dense K/V per request
     # The patches bite: each older path now fails at the method it would call.
     for options, fired in (({"attention": "gather"}, "PagePool"),
-                           ({"attention": "reference"}, "PagePool.write"),
+                           ({"attention": "page_walk"}, "PagePool.write"),
                            ({"kv_cache": "dense"}, "DenseKVCache.attend_at")):
         older = LLMEngine(tiny_model, smollm_tokenizer, **options,
                           **({"num_pages": 64} if "kv_cache" not in options else {}))

@@ -39,7 +39,7 @@ ENGINE_FLAGS = [
     ("--kv-memory-bytes", "kv_memory_bytes", int, "KV pool size in bytes"),
     ("--kv-memory-fraction", "kv_memory_fraction", float, "KV pool as a share of free memory"),
     ("--attention", "attention", str,
-     "dense, gather (Day 3), reference or vector (Day 4), flash_reference or flash (Day 5)"),
+     "dense, gather (Day 3), page_walk or vector (Day 4), tiled_walk or flash (Day 5)"),
     ("--speculative", "speculative", str, "off, ngram (prompt lookup) or draft (--draft-model)"),
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step"),
     ("--speculative-max-batch", "speculative_max_batch", int, "no drafts above this batch"),

@@ -48,8 +48,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tiny_llm.cpu_kernels import Linear, QuantizedLinear, kernel_reads_scales, kernels_on, native
-from tiny_llm.extension import extension
+from tiny_llm.cpu_kernels import Linear, QuantizedLinear, kernel_reads_scales, kernels_on
+from tiny_llm.extension import extension, reference_extension
 from tiny_llm.step import PagedLayout
 
 import mlx.core as mx
@@ -103,7 +103,7 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
     consecutive layers the fused op serves as one op and the others op by op (attending
     through ``cache``), or None when the step is not one it serves (then the caller runs
     every layer op by op)."""
-    if x.ndim != 2 or not kernels_on(x) or extension() is not native():
+    if x.ndim != 2 or not kernels_on(x) or extension() is not reference_extension():
         return None
     ops = [_layer_op(block) for block in blocks]
     pool = fused.pool
@@ -111,7 +111,7 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
         return None
     if positions.dtype != mx.int32:
         positions = positions.astype(mx.int32)
-    ext, layout = native(), fused.layout
+    ext, layout = reference_extension(), fused.layout
     step_rows = (layout.slot_mapping, *layout.page_metadata)  # every run's
     global fused_layers_run
     first = 0
@@ -141,7 +141,7 @@ def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
         return cached[1]
     n_heads, n_kv_heads, head_dim, eps, post_eps, rope_dims, traditional, rope_scale, qk_eps, \
         scale = ops[0].shared
-    run = native().decoder_run(
+    run = reference_extension().decoder_run(
         [op.arrays for op in ops], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         eps=eps, post_eps=post_eps, rope_dims=rope_dims, rope_traditional=traditional,
         rope_scale=rope_scale, qk_eps=qk_eps, scale=scale)
@@ -155,7 +155,7 @@ def _pools_held_by_pool_only(pool: Any) -> bool:
     (MLX: no view, no graph node)."""
     arrays = pool.k + pool.v  # each array in two lists: the pool's and this one
     refs = [sys.getrefcount(a) for a in arrays]
-    ext = native()
+    ext = reference_extension()
     return all(r == _IN_ONE_LIST + 1 for r in refs) and all(map(ext.donatable, arrays))
 
 
@@ -248,6 +248,6 @@ def _projections(layers: list[nn.Module], biases_allowed: bool = False
                 or m.mode != mode or not kernel_reads_scales(m)):
             return None
         arrays += (m["weight"], m["scales"], m["biases"])
-    if mode != "affine" or not native().quantized_kernel_serves(group, bits):
+    if mode != "affine" or not reference_extension().quantized_kernel_serves(group, bits):
         return None
     return arrays, group, bits

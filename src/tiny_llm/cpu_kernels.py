@@ -68,14 +68,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
-from types import ModuleType
 
 from tiny_llm.blas import openblas_threads
 from tiny_llm.device import plans_for_gpu
+from tiny_llm.extension import reference_extension
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -109,7 +107,7 @@ def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False
 def kernels_available() -> bool:
     """Whether the extension's CPU kernels can serve the model: the CPU as the device the
     engine plans for, and the extension built."""
-    return not plans_for_gpu() and native() is not None
+    return not plans_for_gpu() and reference_extension() is not None
 
 
 def kernels_on(*arrays: mx.array) -> bool:
@@ -132,7 +130,7 @@ def linears(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     rest by split BLAS, each in one call for all the weights (read in one pass)."""
     if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, *weights):
         return [x @ w.T for w in weights]
-    ext = native()
+    ext = reference_extension()
     return _by_row_kind(
         x, lambda rows: ext.linear_group(rows, weights),
         lambda rows: (ext.linear_group(rows, weights, blas=True) if split_blas()
@@ -148,9 +146,9 @@ def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
     first = layers[0]
     if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or not kernels_on(x)
             or not all(kernel_reads_scales(layer) for layer in layers)
-            or not native().quantized_kernel_serves(first.group_size, first.bits)):
+            or not reference_extension().quantized_kernel_serves(first.group_size, first.bits)):
         return [mlx_quantized_matmul(x, layer) for layer in layers]
-    ext, fmt, int8 = native(), (first.group_size, first.bits), _int8_rows.get()
+    ext, fmt, int8 = reference_extension(), (first.group_size, first.bits), _int8_rows.get()
     # A module's parameters are its dict's items: layer["weight"] reads them directly, where
     # layer.weight goes through nn.Module.__getattr__ (Python), hundreds of times a step.
     packed = ([layer["weight"] for layer in layers], [layer["scales"] for layer in layers],
@@ -175,7 +173,7 @@ def check_int8_activations(model: nn.Module) -> None:
                          "(load it with dequantize=False, --quantized on the command line)")
     for name, m in layers:
         if (m.mode != "affine" or m.get("biases") is None
-                or not native().int8_kernel_serves(m.group_size, m.bits)):
+                or not reference_extension().int8_kernel_serves(m.group_size, m.bits)):
             raise ValueError(f"int8_activations does not serve {name} ({m.bits} bits, groups "
                              f"of {m.group_size}, mode {m.mode!r})")
 
@@ -204,23 +202,10 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
 
 
 @functools.cache
-def native() -> ModuleType | None:
-    # The reference extension, also when a learner's copy serves the attention kernels:
-    # this matmul is not a course task.
-    try:
-        return importlib.import_module("tiny_llm._native._ext")
-    except ImportError as e:
-        warnings.warn(f"tiny_llm: the kernel extension is not built (run `make setup`); the "
-                      f"model's CPU ops use MLX's instead (matmuls, RMSNorm, RoPE, SwiGLU) — {e}",
-                      stacklevel=3)
-        return None
-
-
-@functools.cache
 def split_blas() -> bool:
     """Whether prefill rows take the split BLAS: on Linux, with OpenBLAS on one thread (or
     the mlx wheel's reference BLAS, which has no threads)."""
-    return native().has_blas_split and openblas_threads() in (None, 1)
+    return reference_extension().has_blas_split and openblas_threads() in (None, 1)
 
 
 class Linear(nn.Linear):
@@ -298,7 +283,7 @@ class RMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]  # a dict read, as in quantized_linears
         if kernels_on(x, weight):
-            return native().rms_norm(x, weight, self.eps)
+            return reference_extension().rms_norm(x, weight, self.eps)
         return super().__call__(x)
 
 
@@ -317,10 +302,10 @@ def rope(x: mx.array, positions: mx.array, inv_freq: mx.array, dims: int, tradit
     """RoPE of ``x [T, H, D]``, row t at ``positions[t]``, by the extension's one op."""
     if positions.dtype != mx.int32:
         positions = positions.astype(mx.int32)
-    return native().rope(x, positions, inv_freq, dims, traditional, scale)
+    return reference_extension().rope(x, positions, inv_freq, dims, traditional, scale)
 # ANCHOR_END: rope
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` by the extension's one op."""
-    return native().swiglu(gate, up)
+    return reference_extension().swiglu(gate, up)

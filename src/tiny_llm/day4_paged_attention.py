@@ -22,7 +22,7 @@ Two implementations of the block-table interface:
 size. ``check_metadata`` validates everything a kernel would trust, before any kernel runs;
 ``check_geometry`` says at engine build whether the kernels serve the model at all.
 
-Engine backends: ``PageWalkAttention`` (``attention="reference"``) and
+Engine backends: ``PageWalkAttention`` (``attention="page_walk"``) and
 ``VectorKernelAttention`` (``attention="vector"``).
 """
 
@@ -210,9 +210,9 @@ def paged_attention_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,
 
 # ANCHOR: walk_backends
 class PageWalkAttention:
-    """``attention="reference"``: the page walk in MLX ops; writes with MLX indexing."""
+    """``attention="page_walk"``: the page walk in MLX ops; writes with MLX indexing."""
 
-    name: ClassVar[str] = "reference"
+    name: ClassVar[str] = "page_walk"
     storage: ClassVar[str] = "paged"
 
     def __init__(self, kv: PagedKVSpace):

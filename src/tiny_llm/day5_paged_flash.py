@@ -19,7 +19,7 @@ one dispatch.
 Implementations: ``paged_flash_reference`` (tiles in MLX ops: correctness first, the
 oracle the C++ and Metal tiles are tested against) and Day 4's ``paged_attention`` with
 ``tiled=True`` (the extension op). Engine backends: ``TiledWalkAttention``
-(``attention="flash_reference"``) and ``FlashAttention`` (``attention="flash"``).
+(``attention="tiled_walk"``) and ``FlashAttention`` (``attention="flash"``).
 """
 
 from __future__ import annotations
@@ -167,9 +167,9 @@ def paged_flash_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,
 
 # ANCHOR: flash_backends
 class TiledWalkAttention(PageWalkAttention):
-    """``attention="flash_reference"``: the tiled walk in MLX ops."""
+    """``attention="tiled_walk"``: the tiled walk in MLX ops."""
 
-    name: ClassVar[str] = "flash_reference"
+    name: ClassVar[str] = "tiled_walk"
     TILE_ROWS = 16
 
     def begin_step(self, step: StepBatch) -> None:
