@@ -105,9 +105,10 @@ def base_tree(base: str, root: Path) -> Path:
     tree = root / "base"
     subprocess.run(["git", "worktree", "add", "--detach", str(tree), base], cwd=REPO_ROOT,
                    check=True, capture_output=True)
-    native = REPO_ROOT / "src/tiny_llm/_native"
+    native, target = REPO_ROOT / "src/tiny_llm/_native", tree / "src/tiny_llm/_native"
+    target.mkdir(exist_ok=True)
     for built in native.glob("*.so"):
-        shutil.copy2(built, tree / "src/tiny_llm/_native" / built.name)
+        shutil.copy2(built, target / built.name)
     return tree
 
 
@@ -119,8 +120,8 @@ def main() -> None:
                               check=True, capture_output=True, text=True).stdout.strip()
     trees = {"after": REPO_ROOT / "src"}
     with tempfile.TemporaryDirectory() as tmp:
-        trees["before"] = base_tree(base_rev, Path(tmp)) / "src"
         try:
+            trees["before"] = base_tree(base_rev, Path(tmp)) / "src"
             rounds: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
             for r in range(args.rounds):
                 order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
@@ -128,8 +129,8 @@ def main() -> None:
                     rounds[side].append(run_tree(trees[side]))
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(trees["before"].parent)],
-                           cwd=REPO_ROOT, check=False)
+            subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")],
+                           cwd=REPO_ROOT, check=False, capture_output=True)
     labels = [k for k in rounds["after"][0] if k != "src"]
     rows, data = [], {}
     for label in labels:
