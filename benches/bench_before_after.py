@@ -88,7 +88,7 @@ def worker() -> None:
 def run_tree(src: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0"}
     out = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True,
-                         capture_output=True, text=True).stdout
+                         stdout=subprocess.PIPE, text=True).stdout  # stderr: the console
     result = json.loads(out.strip().splitlines()[-1])
     if Path(result["src"]) != src / "tiny_llm":
         raise SystemExit(f"the worker imported {result['src']}, not {src}")

@@ -26,8 +26,8 @@ namespace tiny_llm {
 // The dtype scales and biases are stored in: float32, or float16 / bfloat16 as quantized
 // checkpoints keep them (GGUF's Q4_1 and Q8_0 blocks hold float16 ones). The kernels read
 // them as stored and widen them to float32, which is exact: the same products as from
-// float32 copies, from half the bytes (in float32 they were 29% of what a decode step of
-// the default 4-bit model streams: groups of 32 weights, 4 bytes each of scale and bias).
+// float32 copies, from half the bytes (a group of 32 4-bit weights is 16 bytes; its scale
+// and bias take 4 bytes in half precision, 8 in float32).
 enum class ScaleType : uint8_t { f32, f16, bf16 };
 
 // One quantized weight matrix of a call and where its product goes.
