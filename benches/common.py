@@ -319,24 +319,24 @@ class GemmProbe:
     HELD_BYTES = 16 << 20
 
     def time(self, tokens: int, logit_rows: int, decode_rows: int | None = None) -> float:
-        from tiny_llm.cpu_kernels import kernel_forward, linear, linears
+        from tiny_llm.cpu_kernels import KernelPlan, linear, linears
 
         import mlx.core as mx
 
         xs = {d: mx.random.normal((tokens, d)) for d in {g[0].shape[1] for g in self.groups}}
         x_lm = mx.random.normal((logit_rows, self.lm_head.shape[1]))
         mx.eval(xs, x_lm)
+        kernels = None if decode_rows is None else KernelPlan(decode_rows)
         start = time.perf_counter()
-        with kernel_forward(decode_rows or 0, enabled=decode_rows is not None):
-            outs, held = [], 0
-            for group in self.groups:
-                outs.append(linears(xs[group[0].shape[1]], group))
-                held += 4 * tokens * sum(w.shape[0] for w in group)
-                if held >= self.HELD_BYTES:  # evaluate, and let the outputs go
-                    mx.eval(outs)
-                    outs, held = [], 0
-            outs.append(linear(x_lm, self.lm_head))
-            mx.eval(outs)
+        outs, held = [], 0
+        for group in self.groups:
+            outs.append(linears(xs[group[0].shape[1]], group, kernels))
+            held += 4 * tokens * sum(w.shape[0] for w in group)
+            if held >= self.HELD_BYTES:  # evaluate, and let the outputs go
+                mx.eval(outs)
+                outs, held = [], 0
+        outs.append(linear(x_lm, self.lm_head, kernels))
+        mx.eval(outs)
         return time.perf_counter() - start
 
 

@@ -8,7 +8,7 @@
   weights' address, which must not change a result);
 - strided inputs are read correctly, bad input is refused with a clear error;
 - ``linear(..., blas=True)`` (MLX's BLAS split over the worker pool) against the oracle;
-- under ``kernel_forward(n)`` exactly the first ``n`` rows of every linear layer (and of the
+- with ``KernelPlan(n)`` exactly the first ``n`` rows of every linear layer (and of the
   tied vocabulary projection) go to the decode kernel, the rest to the split BLAS;
   outside it, none;
 - ``StepBatch.decode_rows`` counts the leading single-row sequences of a step that sample;
@@ -183,7 +183,7 @@ def test_layers_applied_together_equal_each_applied_alone(ext):
     """``apply_linears``: in a step the same bits as each layer alone, biases where a layer
     has one; outside a step exactly MLX's ``x @ w.T + b``; a quantized layer takes its own
     path."""
-    from tiny_llm.cpu_kernels import Linear, apply_linears, kernel_forward
+    from tiny_llm.cpu_kernels import KernelPlan, Linear, apply_linears
 
     import mlx.nn as nn
 
@@ -191,9 +191,9 @@ def test_layers_applied_together_equal_each_applied_alone(ext):
     layers = [Linear(64, 24, bias=True), Linear(64, 8, bias=False)]
     x = mx.random.normal((6, 64), key=mx.random.key(12))
     for decode_rows in (2, 6, 0):
-        with kernel_forward(decode_rows):
-            together = apply_linears(x, *layers)
-            alone = [layer(x) for layer in layers]
+        kernels = KernelPlan(decode_rows)
+        together = apply_linears(x, *layers, kernels=kernels)
+        alone = [layer(x, kernels) for layer in layers]
         for a, b in zip(together, alone, strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_allclose(np.asarray(together[0]),
@@ -204,9 +204,8 @@ def test_layers_applied_together_equal_each_applied_alone(ext):
                           np.asarray(x @ layers[0].weight.T + layers[0].bias))
     assert np.array_equal(np.asarray(outside[1]), np.asarray(x @ layers[1].weight.T))
     quantized = nn.QuantizedLinear(64, 32, bias=False)
-    with kernel_forward(2):
-        got = apply_linears(x, layers[1], quantized)
-        want = layers[1](x)
+    got = apply_linears(x, layers[1], quantized, kernels=KernelPlan(2))
+    want = layers[1](x, KernelPlan(2))
     assert np.array_equal(np.asarray(got[0]), np.asarray(want))
     assert np.array_equal(np.asarray(got[1]), np.asarray(quantized(x)))
 
@@ -263,14 +262,13 @@ def kernel_calls(monkeypatch, ext):
 
 def test_decode_rows_take_the_decode_kernel_and_the_rest_split_blas(kernel_calls, ext):
     from tiny_llm import cpu_kernels
-    from tiny_llm.cpu_kernels import Linear, kernel_forward
+    from tiny_llm.cpu_kernels import KernelPlan, Linear
 
     layer = Linear(24, 10, bias=True)
     x = mx.random.normal((5, 24), key=mx.random.key(7))
     plain = layer(x)
     assert kernel_calls == []
-    with kernel_forward(2):
-        routed = layer(x)
+    routed = layer(x, KernelPlan(2))
     split = cpu_kernels.split_blas()  # False only with OpenBLAS threads of its own
     assert kernel_calls == [(2, False)] + [(3, True)] * split
     rest = ext.linear(x[2:], layer.weight, blas=True) if split else x[2:] @ layer.weight.T
@@ -279,24 +277,20 @@ def test_decode_rows_take_the_decode_kernel_and_the_rest_split_blas(kernel_calls
     assert np.array_equal(np.asarray(routed), want)
     np.testing.assert_allclose(np.asarray(routed), np.asarray(plain), rtol=1e-5, atol=1e-6)
     kernel_calls.clear()
-    with kernel_forward(9):  # more than the rows: all of them
-        layer(x)
-    with kernel_forward(0):  # a prefill-only step
-        layer(x)
+    layer(x, KernelPlan(9))  # more than the rows: all of them
+    layer(x, KernelPlan(0))  # a prefill-only step
     assert kernel_calls == [(5, False)] + [(5, True)] * split
 
 
 def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, tiny_model):
-    from tiny_llm.cpu_kernels import kernel_forward
+    from tiny_llm.cpu_kernels import KernelPlan
     from tiny_llm.kv_cache import DenseKVCache
 
     cache = DenseKVCache(tiny_model.config.num_hidden_layers)
     tiny_model(mx.array([5, 9], dtype=mx.int32), mx.array([0, 1]), cache)
-    with kernel_forward(1, enabled=False):
-        tiny_model(mx.array([6], dtype=mx.int32), mx.array([2]), cache)
+    tiny_model(mx.array([6], dtype=mx.int32), mx.array([2]), cache)  # no plan: MLX's ops
     assert kernel_calls == []
-    with kernel_forward(1):
-        tiny_model(mx.array([7], dtype=mx.int32), mx.array([3]), cache)
+    tiny_model(mx.array([7], dtype=mx.int32), mx.array([3]), cache, kernels=KernelPlan(1))
     # norm, q k v (one call), Qwen3's q and k norms, rope q k, o, norm, gate up (one call),
     # swiglu, down
     norm, row = ("rms_norm", 1), (1, False)
@@ -778,7 +772,7 @@ def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
     """A model quantized with ``nn.quantize`` holds ``QuantizedLinear`` layers; in a step
     they go through the kernel in one call for q/k/v, and match MLX's own quantized matmul;
     formats the kernel does not serve take MLX's op."""
-    from tiny_llm.cpu_kernels import Linear, QuantizedLinear, apply_linears, kernel_forward
+    from tiny_llm.cpu_kernels import KernelPlan, Linear, QuantizedLinear, apply_linears
 
     import mlx.nn as nn
 
@@ -788,8 +782,7 @@ def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
     q = holder.layers
     assert all(isinstance(layer, QuantizedLinear) for layer in q)
     x = mx.random.normal((5, 64), key=mx.random.key(2))
-    with kernel_forward(3):
-        together = apply_linears(x, *q)
+    together = apply_linears(x, *q, kernels=KernelPlan(3))
     assert list(kernel_calls) == [("quantized", 3), ("quantized", 2)]
     assert kernel_calls.weights == [2, 2]
     for got, layer in zip(together, q, strict=True):
@@ -798,8 +791,7 @@ def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
     three_bits = nn.Sequential(Linear(64, 8, bias=False))
     nn.quantize(three_bits, group_size=32, bits=3)
     kernel_calls.clear()
-    with kernel_forward(5):
-        got = three_bits.layers[0](x)
+    got = three_bits.layers[0](x, KernelPlan(5))
     assert not kernel_calls
     assert np.array_equal(np.asarray(got), np.asarray(nn.QuantizedLinear.__call__(
         three_bits.layers[0], x)))

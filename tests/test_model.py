@@ -12,7 +12,7 @@ near-constant outputs.
 
 from __future__ import annotations
 
-from tiny_llm.cpu_kernels import kernel_forward
+from tiny_llm.cpu_kernels import KernelPlan, kernels_available
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.loader import build_model, on_cpu
 from tiny_llm.model import Model, ModelConfig
@@ -120,10 +120,11 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
     assert max_diff(got, expected) <= atol, "prompt logits differ from mlx-lm"
 
     token = mx.argmax(expected[-1:], axis=-1).astype(mx.int32)
+    # As the model runner plans a step: the kernels serve where the CPU is the device.
+    kernels = KernelPlan(1, int8) if decode_kernel and kernels_available() else None
     for step in range(DECODE_STEPS):
         expected = ref(token[None], cache=ref_cache)[0]
-        with kernel_forward(1, enabled=decode_kernel, int8=int8):
-            got = ours(token, mx.array([PROMPT_LEN + step]), our_cache)
+        got = ours(token, mx.array([PROMPT_LEN + step]), our_cache, kernels=kernels)
         assert got.shape == (1, ours.config.vocab_size)
         tolerance = atol if decode_rtol is None else decode_rtol * mx.abs(expected).max().item()
         assert max_diff(got, expected) <= tolerance, f"decode step {step} differs from mlx-lm"
@@ -204,8 +205,7 @@ def test_int8_activations_match_mlx_lm_within_the_stated_tolerance(name, group_s
     tokens = mx.array([5, 17, 3], dtype=mx.int32)
     cache = DenseKVCache(ours.config.num_hidden_layers)
     forward(ours, tokens[:2], cache=cache)
-    with kernel_forward(1, int8=True):
-        rounded = ours(tokens[2:], mx.array([2]), cache)
+    rounded = ours(tokens[2:], mx.array([2]), cache, kernels=KernelPlan(1, int8=True))
     assert max_diff(rounded, ref(tokens[None])[0, -1:]) > 1e-4
 
 

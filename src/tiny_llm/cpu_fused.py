@@ -7,8 +7,8 @@ scheduling them in MLX is a large share of a one-request step, and even two ops 
 leave over a hundred ops a step for the default model, each built and scheduled on the
 main thread beside the cores' kernels (``benches/bench_cpu_decode.py`` and the book's
 performance appendix measure it). For a step whose rows are all decode rows the model
-runner therefore hands the model a ``FusedDecode`` (the pool, the step's layout, its
-modes), and the model runs each run of consecutive dense layers as one op,
+runner therefore puts a ``FusedDecode`` (the pool, the step's layout, its schedule) in the
+step's ``KernelPlan``, and the model runs each run of consecutive dense layers as one op,
 ``decoder_layers``; per layer:
 
 - the input norm, the q/k/v projections (and their biases), the per-head q/k norms and
@@ -45,12 +45,16 @@ from __future__ import annotations
 
 import operator
 import sys
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tiny_llm.cpu_kernels import Linear, QuantizedLinear, kernel_reads_scales, kernels_on
+from tiny_llm.cpu_kernels import (
+    KernelPlan,
+    Linear,
+    QuantizedLinear,
+    kernel_reads_scales,
+    kernels_on,
+)
 from tiny_llm.extension import extension, reference_extension
-from tiny_llm.step import PagedLayout
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,26 +88,15 @@ class _LayerOp(NamedTuple):
     shared: tuple[Any, ...]
 
 
-# ANCHOR: fused_decode
-@dataclass(frozen=True)
-class FusedDecode:
-    """What the fused op needs of a decode-only step, handed to the model by the model
-    runner: the page pool it writes, the step's layout, and the modes of the step."""
-
-    pool: Any  # Day 3's PagePool (per-layer ``k`` and ``v`` lists), written in place
-    layout: PagedLayout  # slot mapping and the block-table interface's arrays
-    tiled: bool  # the attention backend's schedule (Day 5's tiles or Day 4's vectors)
-    int8: bool  # quantized layers' rows in int8 (``int8_activations``)
-# ANCHOR_END: fused_decode
-
-
 def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.array,
-                         cache: Any, fused: FusedDecode) -> mx.array | None:
+                         cache: Any, kernels: KernelPlan) -> mx.array | None:
     """``x`` through ``blocks`` (the model's decoder layers, in order) with each run of
     consecutive layers the fused op serves as one op and the others op by op (attending
     through ``cache``), or None when the step is not one it serves (then the caller runs
-    every layer op by op)."""
-    if x.ndim != 2 or not kernels_on(x) or extension() is not reference_extension():
+    every layer op by op). ``kernels.fused``: the step's pool and layout."""
+    fused = kernels.fused
+    if (fused is None or x.ndim != 2 or not kernels_on(kernels, x)
+            or extension() is not reference_extension()):
         return None
     ops = [_layer_op(block) for block in blocks]
     pool = fused.pool
@@ -117,7 +110,7 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
     first = 0
     while first < len(blocks):
         if ops[first] is None:
-            x = blocks[first](x, positions, cache)
+            x = blocks[first](x, positions, cache, kernels)
             first += 1
             continue
         last = first + 1
@@ -127,7 +120,7 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
         run = _decoder_run(blocks[first], ops[first:last])
         layers = [op.layer for op in ops[first:last]]
         x = ext.decoder_layers(run, x, [pool.k[i] for i in layers], [pool.v[i] for i in layers],
-                               positions, *step_rows, tiled=fused.tiled, int8=fused.int8)
+                               positions, *step_rows, tiled=fused.tiled, int8=kernels.int8)
         fused_layers_run += last - first
         first = last
     return x

@@ -15,15 +15,16 @@ the worker pool instead: both cores, and a block goes to whichever thread is fre
 you have given OpenBLAS threads of its own (``OPENBLAS_NUM_THREADS`` above 1), prefill
 rows take MLX's matmul and those threads, not both at once.
 
-Which rows take which is decided per step, not per call: the engine runs its forward
-inside ``kernel_forward(n)``, ``n`` being the step's leading single-row sequences
-(decodes: every scheduler places them first). Every linear layer sends those ``n`` rows to
-the decode kernel and the rest (prefill chunks, speculative verification) to the split
-BLAS (on Linux; elsewhere MLX's matmul). A request's decode rows therefore take the same
-kernel whether it runs alone or in any batch. Outside ``kernel_forward`` (tests, oracles,
-the reference ``generate``, an engine with ``cpu_kernels=False``) the model runs on MLX's
-ops alone, as it does on GPU streams (the Mac path: MLX's Metal matmul and rope) and in
-dtypes other than float32.
+Which rows take which is decided per step, not per call: the model runner hands the model a
+``KernelPlan`` with the step's leading single-row sequences (``decode_rows``: decodes, which
+every scheduler places first), and the model passes it down to each layer as an argument.
+Every linear layer sends those rows to the decode kernel and the rest (prefill chunks,
+speculative verification) to the split BLAS (on Linux; elsewhere MLX's matmul). A
+request's decode rows therefore take the same kernel whether it runs alone or in any
+batch. Without a plan (tests, oracles, the reference ``generate``, an engine with
+``cpu_kernels=False``) the model runs on MLX's ops alone, as it does on GPU streams (the
+Mac path: MLX's Metal matmul and rope) and in dtypes other than float32. The plan is an
+argument, not a setting of the model: one model may serve several engines at once.
 
 **Elementwise layers.** MLX's CPU rope with a position per row (the flat batch's case)
 runs as a chain of about a dozen ops, which made it the costliest op of a decode step
@@ -33,7 +34,7 @@ chain too (two per layer and one more per step). The extension has each as one o
 (``src/extensions/cpu_layers.cpp``): ``rope`` computes the same angles as ``mx.fast.rope``
 (``theta = (position * scale) * inv_freq``, ``inv_freq`` from ``rope_inv_freq``),
 ``swiglu`` is ``silu(gate) * up`` and ``rms_norm`` is ``mx.fast.rms_norm``'s formula.
-Inside ``kernel_forward`` they serve every CPU float32 row.
+With a plan they serve every CPU float32 row.
 
 **Quantized weights as stored** (``load(dequantize=False)``, ``--quantized``): a
 ``QuantizedLinear`` (and a tied ``QuantizedEmbedding`` head) in MLX's affine layout takes
@@ -65,43 +66,40 @@ with a thread waiting for the other.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tiny_llm.blas import openblas_threads
 from tiny_llm.device import plans_for_gpu
 from tiny_llm.extension import reference_extension
+from tiny_llm.step import PagedLayout
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# Inside kernel_forward: the step's decode rows; outside: None (MLX's ops alone).
-_decode_rows: contextvars.ContextVar[int | None] = contextvars.ContextVar("decode_rows",
-                                                                        default=None)
-# Inside kernel_forward(int8=True): quantized layers' decode rows take int8 activations.
-_int8_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_rows", default=False)
+
+# ANCHOR: kernel_plan
+@dataclass(frozen=True)
+class FusedDecode:
+    """What the fused decoder layers need of a decode-only step (``cpu_fused.py``): the page
+    pool they write and the step's layout."""
+
+    pool: Any  # Day 3's PagePool (per-layer ``k`` and ``v`` lists), written in place
+    layout: PagedLayout  # slot mapping and the block-table interface's arrays
+    tiled: bool  # the attention backend's schedule (Day 5's tiles or Day 4's vectors)
 
 
-# ANCHOR: kernel_forward
-@contextlib.contextmanager
-def kernel_forward(decode_rows: int, enabled: bool = True, int8: bool = False
-                   ) -> Iterator[None]:
-    """An engine step's forward (the model runner's). With ``enabled``, the model's CPU ops
-    take the extension's kernels; the first ``decode_rows`` rows of every linear layer's
-    input (and of the logits) belong to single-row sequences. With ``int8``, quantized
-    layers multiply those rows with int8 activations (``quantized_linears``)."""
-    # Checked once per forward, not per layer: the device and the extension do not change.
-    on = kernels_available() and enabled
-    token = _decode_rows.set(decode_rows if on else None)
-    int8_token = _int8_rows.set(int8 and on)
-    try:
-        yield
-    finally:
-        _int8_rows.reset(int8_token)
-        _decode_rows.reset(token)
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one step's forward takes the extension's CPU kernels: made by the model runner,
+    passed down the model to every layer. ``None`` in its place: MLX's ops alone."""
+
+    decode_rows: int  # the first rows of every linear layer's input (and of the logits)
+    int8: bool = False  # quantized layers multiply the decode rows with int8 activations
+    fused: FusedDecode | None = None  # a decode-only step: runs of layers as fused ops
 
 
 def kernels_available() -> bool:
@@ -110,10 +108,10 @@ def kernels_available() -> bool:
     return not plans_for_gpu() and reference_extension() is not None
 
 
-def kernels_on(*arrays: mx.array) -> bool:
-    """Whether ops on these inputs take the extension's kernels: inside ``kernel_forward``
-    on a CPU stream with the extension built, in float32."""
-    return _decode_rows.get() is not None and all(a.dtype == mx.float32 for a in arrays)
+def kernels_on(kernels: KernelPlan | None, *arrays: mx.array) -> bool:
+    """Whether ops on these inputs take the extension's kernels: with a plan (the runner
+    makes one only where they can serve: a CPU, the extension built), in float32."""
+    return kernels is not None and all(a.dtype == mx.float32 for a in arrays)
 
 
 def kernel_reads_scales(layer: nn.Module) -> bool:
@@ -125,36 +123,39 @@ def kernel_reads_scales(layer: nn.Module) -> bool:
             and scales.dtype in (mx.float32, mx.float16, mx.bfloat16))
 
 
-def linears(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
-    """``[x @ w.T for w in weights]``; in a step, decode rows by the decode kernel and the
+def linears(x: mx.array, weights: list[mx.array], kernels: KernelPlan | None = None
+            ) -> list[mx.array]:
+    """``[x @ w.T for w in weights]``; with a plan, decode rows by the decode kernel and the
     rest by split BLAS, each in one call for all the weights (read in one pass)."""
-    if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(x, *weights):
+    if x.ndim != 2 or x.shape[0] == 0 or not kernels_on(kernels, x, *weights):
         return [x @ w.T for w in weights]
     ext = reference_extension()
     return _by_row_kind(
-        x, lambda rows: ext.linear_group(rows, weights),
+        x, kernels.decode_rows, lambda rows: ext.linear_group(rows, weights),
         lambda rows: (ext.linear_group(rows, weights, blas=True) if split_blas()
                       else [rows @ w.T for w in weights]))
 
 
-def quantized_linears(x: mx.array, layers: list[nn.Module]) -> list[mx.array]:
+def quantized_linears(x: mx.array, layers: list[nn.Module], kernels: KernelPlan | None = None
+                      ) -> list[mx.array]:
     """Each quantized layer's matmul (``nn.QuantizedLinear``'s, or a quantized embedding's
-    ``as_linear``) of ``x``, the layers of one format; in a step on the CPU, decode rows by
-    the extension's kernel from the packed bytes and the rest by dequantized blocks and
-    split BLAS; formats it does not serve, and everything outside a step, by MLX's
+    ``as_linear``) of ``x``, the layers of one format; with a plan, decode rows by the
+    extension's kernel from the packed bytes and the rest by dequantized blocks and split
+    BLAS; formats it does not serve, and everything without a plan, by MLX's
     ``quantized_matmul``."""
     first = layers[0]
-    if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or not kernels_on(x)
+    if (x.ndim != 2 or x.shape[0] == 0 or first.mode != "affine" or not kernels_on(kernels, x)
             or not all(kernel_reads_scales(layer) for layer in layers)
             or not reference_extension().quantized_kernel_serves(first.group_size, first.bits)):
         return [mlx_quantized_matmul(x, layer) for layer in layers]
-    ext, fmt, int8 = reference_extension(), (first.group_size, first.bits), _int8_rows.get()
+    ext, fmt, int8 = reference_extension(), (first.group_size, first.bits), kernels.int8
     # A module's parameters are its dict's items: layer["weight"] reads them directly, where
     # layer.weight goes through nn.Module.__getattr__ (Python), hundreds of times a step.
     packed = ([layer["weight"] for layer in layers], [layer["scales"] for layer in layers],
               [layer["biases"] for layer in layers])
     return _by_row_kind(
-        x, lambda rows: ext.quantized_linear_group(rows, *packed, *fmt, int8=int8),
+        x, kernels.decode_rows,
+        lambda rows: ext.quantized_linear_group(rows, *packed, *fmt, int8=int8),
         lambda rows: (ext.quantized_linear_group(rows, *packed, *fmt, blas=True) if split_blas()
                       else [mlx_quantized_matmul(rows, layer) for layer in layers]))
 
@@ -184,21 +185,21 @@ def mlx_quantized_matmul(x: mx.array, layer: nn.Module) -> mx.array:
                                mode=layer.mode)
 
 
-def _by_row_kind(x: mx.array, decode: Callable[[mx.array], list[mx.array]],
+def _by_row_kind(x: mx.array, decode_rows: int, decode: Callable[[mx.array], list[mx.array]],
                  prefill: Callable[[mx.array], list[mx.array]]) -> list[mx.array]:
     """The step's decode rows (its first ones) through ``decode``, the rest through
     ``prefill``, each product's two parts joined."""
-    n = min(_decode_rows.get(), x.shape[0])
+    n = min(decode_rows, x.shape[0])
     parts = [decode(x[:n] if n < x.shape[0] else x)] if n else []
     if n < x.shape[0]:
         parts.append(prefill(x[n:] if n else x))
     return parts[0] if len(parts) == 1 else [mx.concatenate(ys) for ys in zip(*parts, strict=True)]
 
 
-def linear(x: mx.array, weight: mx.array) -> mx.array:
+def linear(x: mx.array, weight: mx.array, kernels: KernelPlan | None = None) -> mx.array:
     """``x @ weight.T``, as ``linears`` computes it."""
-    return linears(x, [weight])[0]
-# ANCHOR_END: kernel_forward
+    return linears(x, [weight], kernels)[0]
+# ANCHOR_END: kernel_plan
 
 
 @functools.cache
@@ -212,8 +213,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters) whose matmul is ``linears``; quantized, it becomes a
     ``QuantizedLinear``."""
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return apply_linears(x, self)[0]
+    def __call__(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
+        return apply_linears(x, self, kernels=kernels)[0]
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None,
                      mode: str = "affine", quantize_input: bool = False) -> nn.Module:
@@ -225,8 +226,8 @@ class Linear(nn.Linear):
 class QuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` (same parameters) whose matmul is ``quantized_linears``."""
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return apply_linears(x, self)[0]
+    def __call__(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
+        return apply_linears(x, self, kernels=kernels)[0]
 
 
 class Embedding(nn.Embedding):
@@ -257,32 +258,34 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return mx.dequantize(self["weight"][x], scales=scales, biases=biases,
                              group_size=self.group_size, bits=self.bits, mode=self.mode)
 
-    def as_linear(self, x: mx.array) -> mx.array:
-        return quantized_linears(x, [self])[0]
+    def as_linear(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
+        return quantized_linears(x, [self], kernels)[0]
 
 
-def apply_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
+def apply_linears(x: mx.array, *layers: nn.Module, kernels: KernelPlan | None = None
+                  ) -> list[mx.array]:
     """Each layer applied to one input ``x`` (a layer's q, k and v projections, or its gate
     and up), in one call of the kernels where the layers are all ``Linear`` or all
-    ``QuantizedLinear`` of one format; otherwise each by its own."""
+    ``QuantizedLinear`` of one format; otherwise each by its own (MLX's ops)."""
     if all(isinstance(layer, Linear) for layer in layers):
-        ys = linears(x, [layer["weight"] for layer in layers])  # as in quantized_linears
+        ys = linears(x, [layer["weight"] for layer in layers], kernels)  # as in quantized_linears
     elif all(isinstance(layer, QuantizedLinear) for layer in layers) and len(
             {(layer.group_size, layer.bits, layer.mode) for layer in layers}) == 1:
-        ys = quantized_linears(x, list(layers))
-    else:
-        return [layer(x) for layer in layers]
+        ys = quantized_linears(x, list(layers), kernels)
+    else:  # each by its own: ours with the plan, any other module as it is
+        return [layer(x, kernels) if isinstance(layer, Linear | QuantizedLinear) else layer(x)
+                for layer in layers]
     return [y + layer["bias"] if "bias" in layer else y
             for y, layer in zip(ys, layers, strict=True)]
 
 
 class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` (same parameters); in a step, CPU float32 rows take the extension's
+    """``nn.RMSNorm`` (same parameters); with a plan, CPU float32 rows take the extension's
     one op (MLX's CPU ``rms_norm`` is a chain of ops)."""
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
         weight = self["weight"]  # a dict read, as in quantized_linears
-        if kernels_on(x, weight):
+        if kernels_on(kernels, x, weight):
             return reference_extension().rms_norm(x, weight, self.eps)
         return super().__call__(x)
 

@@ -25,9 +25,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.cpu_fused import FusedDecode, fused_decoder_layers
+from tiny_llm.cpu_fused import fused_decoder_layers
 from tiny_llm.cpu_kernels import (
     Embedding,
+    KernelPlan,
     Linear,
     RMSNorm,
     apply_linears,
@@ -200,8 +201,9 @@ class RoPE(nn.Module):
         """Per-pair inverse frequencies (private to nn.Module: not a parameter)."""
         return self._inv_freq
 
-    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
-        if kernels_on(x):  # the extension's one op (cpu_kernels.py says why)
+    def __call__(self, x: mx.array, positions: mx.array, kernels: KernelPlan | None = None
+                 ) -> mx.array:
+        if kernels_on(kernels, x):  # the extension's one op (cpu_kernels.py says why)
             return rope(x, positions, self._inv_freq, self.dims, self.traditional, self.scale)
         # x: [T, H, D]. mx.fast.rope rotates along axis -2 starting at a per-batch offset,
         # so each token becomes its own batch entry of length 1 at offset = its position.
@@ -238,17 +240,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.rope = RoPE(config)
 
-    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache,
+                 kernels: KernelPlan | None = None) -> mx.array:
         T = x.shape[0]
-        q, k, v = apply_linears(x, self.q_proj, self.k_proj, self.v_proj)  # one pass on a CPU
+        q, k, v = apply_linears(x, self.q_proj, self.k_proj, self.v_proj,  # one pass on a CPU
+                                kernels=kernels)
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         v = v.reshape(T, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        q, k = self.rope(q, positions, kernels), self.rope(k, positions, kernels)
         out = cache.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out.reshape(T, -1), kernels)
 # ANCHOR_END: attention
 
 
@@ -259,9 +263,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, hidden, bias=False)
         self.down_proj = Linear(hidden, dim, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = apply_linears(x, self.gate_proj, self.up_proj)
-        return self.down_proj(swiglu(gate, up) if kernels_on(gate) else nn.silu(gate) * up)
+    def __call__(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
+        gate, up = apply_linears(x, self.gate_proj, self.up_proj, kernels=kernels)
+        act = swiglu(gate, up) if kernels_on(kernels, gate) else nn.silu(gate) * up
+        return self.down_proj(act, kernels)
 
 
 # ANCHOR: feed_forward
@@ -287,9 +292,10 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), positions, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, x: mx.array, positions: mx.array, cache: KVCache,
+                 kernels: KernelPlan | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x, kernels), positions, cache, kernels)
+        return h + self.mlp(self.post_attention_layernorm(h, kernels), kernels)
 # ANCHOR_END: block
 
 
@@ -316,30 +322,32 @@ class Model(nn.Module):
         positions: mx.array,
         cache: KVCache,
         logit_rows: mx.array | None = None,
-        fused: FusedDecode | None = None,
+        kernels: KernelPlan | None = None,
     ) -> mx.array:
         """Run the step's flat batch ``tokens [T]`` at ``positions [T]``.
 
         Returns logits ``[R, vocab]`` for the rows in ``logit_rows`` (all ``T`` rows if
         None). The engine asks only for each sequence's last scheduled token: the vocab
         projection is the largest matmul of a step, so skipping the other rows matters.
-        ``fused``: a decode-only step the runner offers to ``cpu_fused``'s fused layers.
+        ``kernels``: the model runner's plan for the extension's CPU kernels (``cpu_kernels.py``),
+        handed to every layer; None: MLX's ops alone.
         """
         h = self.model.embed_tokens(tokens)
-        if fused is not None and (out := fused_decoder_layers(
-                self.model.layers, h, positions, cache, fused)) is not None:
+        if kernels is not None and kernels.fused is not None and (out := fused_decoder_layers(
+                self.model.layers, h, positions, cache, kernels)) is not None:
             h = out  # a decode step on a CPU: runs of layers as single ops, the same bits
         else:
             for layer in self.model.layers:
-                h = layer(h, positions, cache)
+                h = layer(h, positions, cache, kernels)
         if logit_rows is not None:
             h = h[logit_rows]
-        h = self.model.norm(h)
+        h = self.model.norm(h, kernels)
         if not self.config.tie_word_embeddings:
-            return self.lm_head(h)
+            return self.lm_head(h, kernels)
         embed = self.model.embed_tokens
-        return embed.as_linear(h) if isinstance(embed, nn.QuantizedEmbedding) else linear(
-            h, embed.weight)
+        if isinstance(embed, nn.QuantizedEmbedding):
+            return embed.as_linear(h, kernels)
+        return linear(h, embed.weight, kernels)
 # ANCHOR_END: model
 
     @property

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+from tiny_llm.cpu_kernels import KernelPlan
 from tiny_llm.device import plans_for_gpu
 
 import mlx.core as mx
@@ -198,7 +199,7 @@ class SparseMoeBlock(nn.Module):
         self.dispatch_mode = "auto"  # or "gather" / "loop" (the benchmark compares them)
         self.observer: Callable[[Routing], None] | None = None  # sees each step's routing
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, kernels: KernelPlan | None = None) -> mx.array:
         routing = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.observer is not None:
             self.observer(routing)
@@ -207,6 +208,6 @@ class SparseMoeBlock(nn.Module):
         run = self.switch_mlp.per_expert if loop else self.switch_mlp
         out = combine(run(grouped.rows, grouped.expert_ids), grouped.order, routing.weights)
         if "shared_expert" in self:
-            out = out + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, kernels)
         return out
 # ANCHOR_END: sparse_block

@@ -2,9 +2,9 @@
 
 The runner alone runs a model. For one step it lays the chunks out once (``StepBatch``:
 the flat batch and the storage's typed layout), begins the attention backend's step, runs
-the forward — on a CPU inside ``kernel_forward``, which sends the decode rows to the
-extension's kernels and runs a decode-only step's dense layers as fused ops — and
-evaluates the logits together with the step's K/V writes. ``sample`` then picks each
+the forward — on a CPU with a ``KernelPlan`` handed to the model, which sends the decode
+rows to the extension's kernels and runs a decode-only step's dense layers as fused ops —
+and evaluates the logits together with the step's K/V writes. ``sample`` then picks each
 sampling request's tokens. The engine serves its model through one runner and speculative
 decoding's draft model through another: the forward is written once.
 """
@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tiny_llm.cpu_fused import FusedDecode
-from tiny_llm.cpu_kernels import kernel_forward
+from tiny_llm.cpu_kernels import FusedDecode, KernelPlan, kernels_available
 from tiny_llm.day4_paged_attention import VectorKernelAttention
 from tiny_llm.model import Model
 from tiny_llm.request import Request
@@ -52,21 +51,22 @@ class ModelRunner:
         ``layout``: the storage's layout, if not of these chunks' requests (the draft's)."""
         batch = StepBatch.build(chunks, self.kv.layout(chunks) if layout is None else layout)
         self.attention.begin_step(batch)
-        k = self.kernels
-        with kernel_forward(batch.decode_rows, enabled=k.cpu_kernels, int8=k.int8_activations):
-            logits = self.model(batch.token_ids, batch.positions, self.attention,
-                                batch.logit_rows, self._fused(batch))
+        logits = self.model(batch.token_ids, batch.positions, self.attention,
+                            batch.logit_rows, self.kernel_plan(batch))
         mx.eval(logits, self.attention.state())
         return batch, logits
 
-    def _fused(self, batch: StepBatch) -> FusedDecode | None:
-        """What the fused decoder layers need, for a decode-only step whose attention is
-        one of the extension's kernels (which attend over its pool): else None."""
+    def kernel_plan(self, batch: StepBatch) -> KernelPlan | None:
+        """How this step's forward takes the extension's CPU kernels (None: MLX's ops
+        alone). A decode-only step whose attention is one of the extension's kernels
+        (which attend over its pool) also runs its dense layers fused."""
         k, attention = self.kernels, self.attention
-        if not (k.cpu_kernels and k.fused_layers and batch.decode_only
-                and isinstance(attention, VectorKernelAttention)):
+        if not (k.cpu_kernels and kernels_available()):  # the device may change: asked per step
             return None
-        return FusedDecode(attention.pool, batch.kv, attention.tiled, k.int8_activations)
+        fused = None
+        if k.fused_layers and batch.decode_only and isinstance(attention, VectorKernelAttention):
+            fused = FusedDecode(attention.pool, batch.kv, attention.tiled)
+        return KernelPlan(batch.decode_rows, k.int8_activations, fused)
 
     def sample(self, logits: mx.array, batch: StepBatch,
                verify: Callable[[Request, mx.array], list[int]] | None = None

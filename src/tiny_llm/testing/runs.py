@@ -71,7 +71,7 @@ class RecordingModel:
         self.model, self.config, self.dtype = model, model.config, model.dtype
         self.logits: list[mx.array] = []
 
-    def __call__(self, tokens, positions, cache, logit_rows=None, fused=None):
-        out = self.model(tokens, positions, cache, logit_rows, fused)
+    def __call__(self, tokens, positions, cache, logit_rows=None, kernels=None):
+        out = self.model(tokens, positions, cache, logit_rows, kernels)
         self.logits.append(out)
         return out
