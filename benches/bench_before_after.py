@@ -39,6 +39,8 @@ from common import REPO_ROOT, Table, bench_parser, save_results
 
 NAME = "bench_before_after"
 W32 = "W32 (default engine)"
+# Attention options as a base before their renaming (640e6d9) names them.
+FORMER_NAMES = {"page_walk": "reference", "tiled_walk": "flash_reference"}
 
 
 def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def worker() -> None:
     """Serve every workload on the ``tiny_llm`` that PYTHONPATH names; print JSON."""
     import tiny_llm
     from tiny_llm.day3_paged_kv import blocks_needed
-    from tiny_llm.engine import LLMEngine
+    from tiny_llm.engine import ATTENTION_BACKENDS, LLMEngine
 
     from bench_cpu_speed import workload as w32_workload
     from bench_week3_day5 import CONFIGS, FULL, MAX_NUM_SEQS, PAGE_SIZE
@@ -78,6 +80,8 @@ def worker() -> None:
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
     num_pages = MAX_NUM_SEQS * blocks_needed(longest, PAGE_SIZE)
     for label, opts in CONFIGS:
+        if opts.get("attention") not in (None, *ATTENTION_BACKENDS):  # the base's older name
+            opts = dict(opts, attention=FORMER_NAMES[opts["attention"]])
         paged = dict(num_pages=num_pages) if opts.get("kv_cache", "paged") == "paged" else {}
         engine = LLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS,
                            max_model_len=FULL["max_model_len"], **paged, **opts)
