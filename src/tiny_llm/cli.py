@@ -88,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "day", type=int)
     steps.add_parser("tasks", help="list the tasks of the course")
     steps.add_parser("status", help="pass / fail / not started, per task")
-    test = steps.add_parser("test", help="run a day's or a task's tests on your workspace")
+    test = steps.add_parser("test", help="run a day's or a task's tests on your workspace",
+                            epilog="Arguments after the day or task go to pytest, e.g. "
+                                   "`tiny-llm course test 3.2 -k fragmentation -x`.")
     test.add_argument("which", help="a day (3) or a task (3.2)")
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                      help="passed to pytest as they are")
     return parser
 
 
@@ -272,14 +276,23 @@ def run_course(args: argparse.Namespace) -> int:
             print(f"{task.id:>4}  {task.title}  [{files}]  — '{task.section}'")
         return 0
     if args.action == "test":
-        day = int(args.which.split(".")[0])
-        selected = ["--task", args.which] if "." in args.which else []
+        try:
+            day, task_id = course.resolve(args.which)
+        except ValueError as e:
+            print(f"tiny-llm course test: {e}", file=sys.stderr)
+            return 2
+        if day not in course.started_days():
+            print(f"Day {day} is not started: run `tiny-llm course start {day}` first (until "
+                  "then its tests would run the reference, not your code)", file=sys.stderr)
+            return 2
+        selected = [] if task_id is None else ["--task", task_id]
         files = sorted({str(f) for t in course.tasks().values() if t.day == day and (
-            not selected or t.id == args.which) for f in course.test_files(t)})
-        cmd = [sys.executable, "-m", "pytest", *files, "--learner", *selected]
+            task_id is None or t.id == task_id) for f in course.test_files(t)})
+        cmd = [sys.executable, "-m", "pytest", *files, "--learner", *selected,
+               *args.pytest_args]
         return subprocess.call(cmd, cwd=course.TESTS.parent)
     for path in course.reference_edits():
-        print(f"note: the reference file src/{path} has changed since the last commit; your "
+        print(f"note: the reference file {path} has changed since the last commit; your "
               "work belongs in workspace/ (git diff shows what changed)", file=sys.stderr)
     results = course.status()
     day = None
@@ -296,7 +309,7 @@ def run_course(args: argparse.Namespace) -> int:
         task, result = todo
         verb = "start it with `tiny-llm course start " + str(task.day) + "`; " if (
             result == "not started") else ""
-        print(f"\nnext: Task {task.id} — {verb}read '{task.section}' in "
+        print(f"\nnext: Task {task.id} — {verb}read '{task.heading}' in "
               f"book/src/{task.chapter}")
     return 0
 

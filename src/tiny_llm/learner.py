@@ -78,14 +78,24 @@ def learner_modules() -> list[str]:
 
 
 # ANCHOR: learner_extension
+# Builds that failed in this process: workspace -> the newest source's time then.
+_failed_builds: dict[Path, float] = {}
+
+
 def build_learner_extension(ws: Path) -> Path:
     """Build the workspace's copy of the extension as module ``_ext_learner`` (again only
-    when a source is newer than the build); returns the module's file."""
+    when a source is newer than the build); returns the module's file. A build that fails
+    raises ImportError with the compiler's errors, once per process: until a source
+    changes, asking again raises a short reminder instead of building again."""
     build = ws / "build"
     built = sorted(build.glob("_ext_learner*.so"))
     sources = [p for p in (ws / "extensions").rglob("*") if p.is_file()]
-    if built and built[0].stat().st_mtime >= max(p.stat().st_mtime for p in sources):
+    newest = max(p.stat().st_mtime for p in sources)
+    if built and built[0].stat().st_mtime >= newest:
         return built[0]
+    if _failed_builds.get(ws) == newest:
+        raise ImportError(f"your extension does not build (its errors were shown once, "
+                          f"above; the whole log: {build / 'build.log'})")
     print(f"tiny_llm: building your extension ({ws / 'extensions'}) ...", file=sys.stderr,
           flush=True)
     venv_cmake = Path(sys.executable).with_name("cmake")  # make setup installs it there
@@ -96,9 +106,24 @@ def build_learner_extension(ws: Path) -> Path:
                  ["--build", str(build), "-j2"]):
         run = subprocess.run([cmake, *args], capture_output=True, text=True)
         if run.returncode:
-            raise ImportError(f"your extension does not build:\n{run.stdout[-4000:]}"
-                              f"{run.stderr[-4000:]}")
+            log = build / "build.log"
+            build.mkdir(parents=True, exist_ok=True)
+            log.write_text(run.stdout + run.stderr)
+            _failed_builds[ws] = newest
+            raise ImportError(f"your extension does not build:\n{compiler_errors(run)}\n"
+                              f"(the whole log: {log})")
+    _failed_builds.pop(ws, None)
     return sorted(build.glob("_ext_learner*.so"))[0]
+
+
+def compiler_errors(run: subprocess.CompletedProcess, limit: int = 40) -> str:
+    """The lines of a failed build that say what is wrong: each error and the lines after
+    it that point at the code, at most ``limit``."""
+    lines = (run.stdout + run.stderr).splitlines()
+    starts = [i for i, line in enumerate(lines) if "error" in line.lower()]
+    keep = sorted({j for i in starts for j in range(i, min(i + 4, len(lines)))})
+    picked = [lines[j] for j in keep][:limit] or lines[-limit:]
+    return "\n".join(picked)
 
 
 def learner_extension(ws: Path) -> ModuleType:
