@@ -8,6 +8,8 @@
 - For every task, stubbing that task alone (the rest reference) makes at least one of its
   tests fail, with the task's message: a task no test catches would be a defect. (The
   reference passing every task's tests is the rest of the suite.)
+- Tasks pass in order: with a task and those before it done and the rest of its day still
+  stubs, the task's tests pass (Python and C++ tasks; a Metal task is its day's last).
 
 C++ tasks are checked with one build of the extension whose task regions can be stubbed
 one at a time at run time (``TINY_LLM_STUB_TASK``), not one build per task.
@@ -144,9 +146,13 @@ def switchable_extension(tmp_path_factory) -> Path:
     shutil.copytree(course.EXTENSIONS, ws / "extensions",
                     ignore=shutil.ignore_patterns("blas_shim"))
     switch = ('#include <cstdlib>\n#include <cstring>\n#include <stdexcept>\n'
-              'static bool course_stubbed(const char* id) {\n'
+              'static bool course_stubbed(const char* id) {  // id in a comma-separated list\n'
               '  const char* s = std::getenv("TINY_LLM_STUB_TASK");\n'
-              '  return s != nullptr && std::strcmp(s, id) == 0;\n}\n')
+              '  const size_t n = std::strlen(id);\n'
+              '  for (const char* p = s; p != nullptr && (p = std::strstr(p, id)); p += n)\n'
+              '    if ((p == s || p[-1] == \',\') && (p[n] == \',\' || p[n] == \'\\0\'))\n'
+              '      return true;\n'
+              '  return false;\n}\n')
     for path in {r.path for t in CPP_TASKS for r in t.regions}:
         lines = (ws / path).read_text().splitlines()
         for region, task_id, _, _ in reversed(course.regions_in("\n".join(lines), path)):
@@ -204,3 +210,56 @@ def test_stubbing_a_metal_task_alone_stops_the_emulated_kernel_with_its_message(
     plan["header"] = header[: len(header) - len(source.read_text())] + stub
     with pytest.raises(EmulatorError, match=re.escape(task.message)):
         run_plan(plan, source, schedules=("forward",))
+
+
+# ---------------------------------------------------------------------------------------
+# Tasks pass in order: the tasks after k still stubs, task k's tests pass
+
+
+def later_tasks(task: course.Task) -> set[str]:
+    return {t.id for t in TASKS.values() if t.day == task.day and t.number > task.number}
+
+
+def write_python_stubs(ws: Path, day: int, ids: set[str]) -> None:
+    """The day's Python modules into the workspace, with the tasks ``ids`` stubbed."""
+    for path in {r.path for t in PYTHON_TASKS if t.day == day for r in t.regions}:
+        target = ws / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(course.stubbed((course.SRC.parent / path).read_text(), path, ids))
+
+
+def passing_run(task: course.Task, ws: Path, env: dict[str, str]) -> None:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        run = course.run_task_tests(task, ws)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    later = ", ".join(sorted(later_tasks(task))) or "none"
+    assert course.outcome(run) == "pass", (
+        f"task {task.id} done, the tasks after it ({later}) stubbed: its tests do not pass\n"
+        f"{(run.stdout + run.stderr)[-3000:]}")
+
+
+def day_has_cpp_tasks(day: int) -> bool:
+    return any(t.day == day for t in CPP_TASKS)
+
+
+@pytest.mark.parametrize("task", [t for t in PYTHON_TASKS if not day_has_cpp_tasks(t.day)],
+                         ids=lambda t: t.id)
+def test_a_python_task_passes_with_the_tasks_after_it_stubbed(task, tmp_path):
+    write_python_stubs(tmp_path, task.day, later_tasks(task))
+    passing_run(task, tmp_path, {})
+
+
+@needs_linux_compiler
+@pytest.mark.parametrize("task", [t for t in [*PYTHON_TASKS, *CPP_TASKS]
+                                  if day_has_cpp_tasks(t.day)], ids=lambda t: t.id)
+def test_a_kernel_days_task_passes_with_the_tasks_after_it_stubbed(task, switchable_extension):
+    later = later_tasks(task)
+    write_python_stubs(switchable_extension, task.day, later)
+    try:
+        passing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": ",".join(sorted(later))})
+    finally:
+        shutil.rmtree(switchable_extension / "tiny_llm", ignore_errors=True)

@@ -261,7 +261,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.task("6.1", "6.2", "6.3")
+@pytest.mark.task("6.3")
 @pytest.mark.parametrize("proposer", ["ngram", "self-draft", "other-draft"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_tokens_are_identical_with_speculation(tiny_model, smollm_tokenizer,

@@ -55,7 +55,7 @@ def run_staggered(engine: LLMEngine, prompts, params, arrivals) -> dict[str, lis
     return {i: tokens[rid] for i, rid in ids.items()}
 
 
-@pytest.mark.task("1.5", "1.6")
+@pytest.mark.task("1.6")
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokenizer, policy):
     prompts = random_prompts(13, seed=1)
@@ -70,7 +70,7 @@ def test_batch_invariance_against_request_served_alone(tiny_model, smollm_tokeni
     assert engine.stats()["num_steps"] > 0
 
 
-@pytest.mark.task("1.2", "1.5")
+@pytest.mark.task("1.6")
 def test_more_requests_than_slots_all_complete_and_slots_are_reused(
     tiny_model, smollm_tokenizer
 ):
@@ -149,7 +149,7 @@ def test_max_tokens_and_max_model_len(tiny_model, smollm_tokenizer):
     assert len(prompt) + len(by_len.outputs[0].token_ids) == 16
 
 
-@pytest.mark.task("1.3")
+@pytest.mark.task("1.6")
 def test_abort_mid_flight_frees_resources_and_spares_others(tiny_model, smollm_tokenizer):
     prompts = random_prompts(3, 9)
     engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, **DAY1)
@@ -244,7 +244,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_model, smollm_tokenizer):
     assert len(out.outputs[0].token_ids) == 12
 
 
-@pytest.mark.task("1.4", "1.7")
+@pytest.mark.task("1.7")
 def test_continuous_beats_static_on_head_of_line_blocking(tiny_model, smollm_tokenizer):
     # One long request among short ones, four slots, all arriving at once.
     lens = [30, 3, 3, 3, 3, 3, 3, 3]

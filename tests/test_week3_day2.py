@@ -25,7 +25,7 @@ def one_shot_last_logits(model, prompt):
     return logits[-1]
 
 
-@pytest.mark.task("2.1")
+@pytest.mark.task("2.3")
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_chunked_prefill_logits_equal_one_shot(tiny_model, smollm_tokenizer, chunk):
     rng = random.Random(chunk)
@@ -55,7 +55,7 @@ def test_token_budget_grants_decodes_first_and_never_exceeds():
     assert whole.take_prefill(11) == 0 and whole.take_prefill(10) == 10
 
 
-@pytest.mark.task("2.1", "2.2")
+@pytest.mark.task("2.3")
 def test_long_prompt_does_not_starve_decodes(tiny_model, smollm_tokenizer):
     budget = 32
     engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, max_num_batched_tokens=budget,
@@ -88,7 +88,7 @@ def test_long_prompt_does_not_starve_decodes(tiny_model, smollm_tokenizer):
     assert sizes[1] == budget  # a full step: 3 decode tokens + a 29-token prefill chunk
 
 
-@pytest.mark.task("2.1")
+@pytest.mark.task("2.3")
 def test_chunked_and_unchunked_engines_generate_the_same_tokens(tiny_model, smollm_tokenizer):
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(1, 90))] for _ in range(6)]

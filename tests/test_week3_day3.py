@@ -141,7 +141,7 @@ def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size,
         assert abort or len(req.output_token_ids) == req.output_len
 
 
-@pytest.mark.task("3.6")
+@pytest.mark.task("3.7")
 def test_paged_engine_equals_dense_engine(tiny_model, smollm_tokenizer):
     prompts, params = workload(10, seed=1)
     dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, **DENSE)
@@ -166,7 +166,7 @@ def test_small_pool_preempts_and_still_matches_dense(tiny_model, smollm_tokenize
     assert stats["num_free_pages"] == 18
 
 
-@pytest.mark.task("3.5")
+@pytest.mark.task("3.7")
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_prefix_cache_hits_change_nothing_but_the_work(tiny_model, smollm_tokenizer, page_size):
     prompts, params = workload(8, seed=3, shared_prefix=37)
@@ -202,7 +202,7 @@ def test_request_that_can_never_fit_is_rejected(tiny_model, smollm_tokenizer):
     assert running not in engine.requests
 
 
-@pytest.mark.task("3.4", "3.5")
+@pytest.mark.task("3.7")
 def test_abort_of_a_prefix_sharer_leaves_the_other_intact(tiny_model, smollm_tokenizer):
     prefix = list(range(300, 340))
     a, b = {"prompt_token_ids": prefix + [1, 2]}, {"prompt_token_ids": prefix + [3]}

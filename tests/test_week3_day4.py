@@ -38,13 +38,13 @@ import pytest
 # (float16: 2^-11 relative, bfloat16: 2^-8), with a margin.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 WALKS = {"vector": paged_attention, "reference": paged_attention_reference}
-# Each walk's course tasks: the MLX-op walk (4.1), the C++ vector schedule (4.2, 4.3). The
-# C++ schedule is tested on the CPU on every machine (``cpu_device``, ``on_its_device``): on
-# a Mac's GPU the op runs the Metal kernel instead, which tests/test_metal_kernels.py checks
-# (Task 4.5).
+# Each walk's course task: the MLX-op walk (4.1), the C++ vector schedule (4.2). The C++
+# schedule is tested on the CPU on every machine (``cpu_device``, ``on_its_device``): on a
+# Mac's GPU the op runs the Metal kernel instead, which tests/test_metal_kernels.py checks
+# (Task 4.4).
 ON_CPU = pytest.mark.usefixtures("cpu_device")
 WALK_PARAMS = [pytest.param("reference", marks=pytest.mark.task("4.1")),
-               pytest.param("vector", marks=pytest.mark.task("4.2", "4.3"))]
+               pytest.param("vector", marks=pytest.mark.task("4.2"))]
 
 
 def on_its_device(walk: str, request: pytest.FixtureRequest) -> None:
@@ -154,7 +154,7 @@ def test_batch_of_very_different_lengths_and_many_decodes(walk, request):
     assert_matches_oracle(walk, case, "float32", "nan")
 
 
-@pytest.mark.task("4.2", "4.3")
+@pytest.mark.task("4.2")
 @ON_CPU
 def test_kernel_never_reads_unused_slots_pages_or_minus_one_entries():
     """NaN everywhere a sequence does not own — in K and in V — and outputs stay finite."""
@@ -182,7 +182,7 @@ def test_reference_walk_never_lets_nan_in_v_leak():
     np.testing.assert_allclose(out, dense_oracle(case), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.task("4.2", "4.3")
+@pytest.mark.task("4.2")
 @ON_CPU  # the extension's CPU worker pool
 def test_thread_count_does_not_change_results():
     seqs = [(300 + 37 * i, 1) for i in range(32)] + [(1500, 24), (700, 16)]
@@ -231,8 +231,8 @@ def random_pool(rng, dtype, shape=(7, 8, 2, 16)):
     return k, v
 
 
-@pytest.mark.task("4.4")
-@ON_CPU  # Task 4.4 is the C++ write (on a GPU, MLX's scatter writes)
+@pytest.mark.task("4.3")
+@ON_CPU  # Task 4.3 is the C++ write (on a GPU, MLX's scatter writes)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_kv_write_writes_exactly_the_named_slots(dtype):
     rng = np.random.default_rng(1)
@@ -264,7 +264,7 @@ def test_kv_write_of_no_rows_changes_nothing():
     assert np.array_equal(f32(k), before[0]) and np.array_equal(f32(v), before[1])
 
 
-@pytest.mark.task("4.2", "4.3", "4.4")
+@pytest.mark.task("4.3")
 @ON_CPU  # the C++ write (on a GPU, MLX's scatter writes)
 def test_kv_write_is_in_place_when_the_caller_drops_the_old_pool():
     """The engine's pattern: write, attend on the new pool, evaluate; repeat. No copies,
@@ -305,7 +305,7 @@ def test_kv_write_is_in_place_when_the_caller_drops_the_old_pool():
     )
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.3")
 @ON_CPU
 def test_kv_write_copies_when_the_old_pool_is_still_referenced():
     rng = np.random.default_rng(4)
@@ -325,7 +325,7 @@ def test_kv_write_copies_when_the_old_pool_is_still_referenced():
     assert np.array_equal(f32(k_new), k_want.reshape(k_before.shape))
 
 
-@pytest.mark.task("4.4")
+@pytest.mark.task("4.3")
 @ON_CPU
 @pytest.mark.parametrize("keep_old", [False, True], ids=["dropped", "kept"])
 def test_kv_write_into_a_non_contiguous_pool(keep_old):
@@ -565,7 +565,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.task("4.1", "4.2", "4.3", "4.4")
+@pytest.mark.task("4.3")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_engine_kernel_equals_reference_gather_and_dense(tiny_model, smollm_tokenizer,
                                                          scenario):

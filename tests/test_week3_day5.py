@@ -201,7 +201,7 @@ def test_tile_heights_are_the_kernels():
     assert [tile_rows(mx.gpu, g) for g in (1, 3, 4, 5, 8)] == [64, 21, 16, 12, 8]
 
 
-@pytest.mark.task("5.1", "5.2")
+@pytest.mark.task("5.2")
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("page_size,head_dim,n_heads,n_kv_heads", GEOMETRIES[::2])
 @pytest.mark.parametrize("height", [1, 5, 16])
@@ -214,7 +214,7 @@ def test_tiled_reference_walk_matches_dense_attention(dtype_name, page_size, hea
     assert_close(got, dense_oracle(case), dtype_name, case, "tiled reference vs dense oracle")
 
 
-@pytest.mark.task("5.2", "5.3")
+@pytest.mark.task("5.3")
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_kernel_tiles_match_the_tiled_reference_walk(dtype_name):
     """The C++ tiles against the MLX-op tiles of the same height: equal within one ulp."""
@@ -369,7 +369,7 @@ FINAL = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=8, num_pages=2
 
 @pytest.mark.parametrize("attention", [pytest.param("flash", marks=pytest.mark.task("5.3")),
                                        pytest.param("tiled_walk",
-                                                    marks=pytest.mark.task("5.1", "5.2"))])
+                                                    marks=pytest.mark.task("5.2"))])
 def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, attention):
     prompts, params = mixed_workload()
     dense = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, kv_cache="dense",

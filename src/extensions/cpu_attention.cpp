@@ -151,7 +151,7 @@ constexpr int kPairsPerFold = 2;
 template <int P>
 inline void fold_page(const float* q, const float* k, const float* v, int64_t stride, int n,
                       int D, float* score, int score_len, float* m, float* l, float* acc) {
-  // TASK 4.3: fold_page — Folding a page into the online softmax
+  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
   // Scores four keys at a time, each in dot's order: every key vector loaded once for the
   // P pairs, 4 P independent chains of additions in flight.
   int t = 0;
@@ -340,7 +340,7 @@ void walk_pages(const float* qf, int rows, int first_pos, const T* k_pages, cons
   float *m = st.m, *l = st.l, *acc = st.acc;
   // ANCHOR: cpu_tile_walk
   const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
-  // TASK 4.2: walk_pages, the page walk — The vector schedule on the CPU
+  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
   for (int j = j0, start = j0 * ps; j < j1 && start < num_keys; ++j, start += ps) {
     const int n = std::min(ps, num_keys - start);
     // Address translation: logical page j of this sequence is physical page table[j].

@@ -160,7 +160,7 @@ void PagedKVWrite::eval_cpu(const std::vector<mx::array>& inputs,
   }
   const auto rows = row_major(inputs[1], enc);
   const auto slots = row_major(inputs[2], enc);
-  // TASK 4.4: PagedKVWrite::eval_cpu, the row copies — Writing in place
+  // TASK 4.3: PagedKVWrite::eval_cpu, the row copies — Writing in place
   const int64_t row_bytes = rows.nbytes() / std::max<int64_t>(1, rows.shape(0));
   enc.dispatch([dst = out.data<char>(), src = rows.data<char>(),
                 slots = slots.data<int32_t>(), n = rows.shape(0), row_bytes]() {

@@ -184,7 +184,8 @@ class BlockManager:
         # END TASK
 
     def _take_free_block(self) -> int:
-        # TASK 3.4: BlockManager.free — Freeing and reusing pages
+        """The least recently freed page, with one reference; a page that was cached
+        forgets its hash (its old contents are about to be overwritten)."""
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict the cached page this one held
@@ -192,7 +193,6 @@ class BlockManager:
             block.hash = block.token_ids = None
         block.ref_count = 1
         return block_id
-        # END TASK
 # ANCHOR_END: block_manager
 
     # ANCHOR: prefix_caching

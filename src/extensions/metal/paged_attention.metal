@@ -77,7 +77,7 @@ void paged_attention_impl(
   }
 
   const int num_pages = (num_keys + page_size - 1) / page_size;
-  // TASK 4.5: paged_attention_impl, the page walk — The vector schedule on Apple GPUs
+  // TASK 4.4: paged_attention_impl, the page walk — The vector schedule on Apple GPUs
   for (int j = int(sg); j < num_pages; j += kSimdgroups) {
     // Address translation: logical page j lives in physical page block_table[b, j].
     const int page = block_table[b * max_pages + j];
