@@ -263,3 +263,28 @@ def test_a_kernel_days_task_passes_with_the_tasks_after_it_stubbed(task, switcha
         passing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": ",".join(sorted(later))})
     finally:
         shutil.rmtree(switchable_extension / "tiny_llm", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The course's kernel and the engine's
+
+
+@needs_linux_compiler
+@pytest.mark.parametrize("tiled", [False, True], ids=["vector", "tiles"])
+def test_the_course_kernel_computes_the_tuned_kernels_attention(tiled, switchable_extension):
+    """A learner's build runs the readable fold (``fold_page_plain``, Task 4.2), the engine's
+    the tuned one; the same attention within float32 rounding (their exp and the order of
+    their sums differ, so the bits do too)."""
+    from tiny_llm.extension import reference_extension
+    from tiny_llm.testing.paged import make_paged_case
+
+    import mlx.core as mx
+    import numpy as np
+
+    course_kernel = learner.learner_extension(switchable_extension)
+    case = make_paged_case([(70, 1), (33, 9), (90, 24)], group=3, n_kv_heads=2, head_dim=72)
+    with mx.stream(mx.cpu):
+        got = np.asarray(course_kernel.paged_attention(*case.args(), tiled=tiled))
+        tuned = np.asarray(reference_extension().paged_attention(*case.args(), tiled=tiled))
+    np.testing.assert_allclose(got, tuned, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(got, tuned), "the course's build ran the tuned kernel"

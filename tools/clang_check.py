@@ -149,13 +149,17 @@ def macos_commands() -> list[tuple[str, list[str]]]:
             else:
                 flags.append(str(MACOS_MLX) if arg.endswith("mlx/include") else arg)
         headers = zig / "lib"
-        out.append((entry["file"], [
+        command = [
             *_zig_clang(zig), "-target", MACOS_TARGET, "-fsyntax-only", "-nostdinc",
             "-nostdinc++", "-isystem", str(headers / "libcxx" / "include"),
             "-isystem", str(headers / "libcxxabi" / "include"),
             "-isystem", str(headers / "include"),
             "-isystem", str(headers / "libc" / "include" / "any-darwin-any"),
-            *(f"-D{m}" for m in LIBCXX_CONFIG), *flags, "-Werror", entry["file"]]))
+            *(f"-D{m}" for m in LIBCXX_CONFIG), *flags, "-Werror", entry["file"]]
+        out.append((entry["file"], command))
+        if "TINY_LLM_COURSE_KERNEL" in Path(entry["file"]).read_text():  # a learner's build
+            out.append((f"{entry['file']} (course build)",
+                        [*command[:-1], "-DTINY_LLM_COURSE_KERNEL=1", entry["file"]]))
     return out
 
 

@@ -24,7 +24,7 @@ namespace {
 // INFINITY alone, and <cfloat> then adds nothing.
 constexpr float kFloatMax = std::numeric_limits<float>::max();
 
-// ANCHOR: cpu_page_update
+// ANCHOR: cpu_tuned_fold
 // Eight floats as one value (GCC's and Clang's vector extension): arithmetic on it runs
 // lane by lane, in one vector register where the CPU has them.
 typedef float Lanes8 __attribute__((vector_size(32)));
@@ -86,7 +86,7 @@ inline Lanes8 pick(Lanes8 x, Lanes8 y) {
 // sum_tree of eight vectors at once (a[0..3], then b[0..3]); lane i is vector i's sum.
 // The same additions of the same lanes as sum_tree, done across the vectors: seven vector
 // additions of shuffled lanes, where eight sum_trees make 56 additions of single lanes.
-inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
+[[maybe_unused]] inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
   auto halves = [](Lanes8 x, Lanes8 y) {  // lane j + lane j + 4, of x then of y
     return pick<0, 1, 2, 3, 8, 9, 10, 11>(x, y) + pick<4, 5, 6, 7, 12, 13, 14, 15>(x, y);
   };
@@ -101,7 +101,7 @@ inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
 // The value itself, made to live in a register: GCC otherwise folds the load into each
 // multiply-add that uses it (a key's vector into every pair's), and the loads, not the
 // multiply-adds, then set the pace.
-inline Lanes8 in_register(Lanes8 a) {
+[[maybe_unused]] inline Lanes8 in_register(Lanes8 a) {
 #if defined(__AVX512VL__)
   asm("" : "+v"(a));  // any of the 32 vector registers
 #elif defined(__AVX__)
@@ -114,7 +114,7 @@ inline Lanes8 in_register(Lanes8 a) {
 // std::exp), where a loop of std::exp calls runs one lane at a time: x = n ln 2 + r with
 // |r| <= ln 2 / 2, exp(r) by a polynomial, times 2^n built in the exponent bits. Below -87
 // the lanes give about 1e-38 where std::exp underflows to 0, nothing a softmax can see.
-inline Lanes8 exp8(Lanes8 x) {
+[[maybe_unused]] inline Lanes8 exp8(Lanes8 x) {
   const Lanes8 lo = Lanes8{} - 87.0f, hi = Lanes8{} + 88.0f;
   x = x < lo ? lo : (x > hi ? hi : x);
   const Lanes8 shift = Lanes8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -149,9 +149,9 @@ constexpr int kPairsPerFold = 2;
 // other pairs, so a row's result does not depend on the schedule or on how the prompt
 // was chunked.
 template <int P>
-inline void fold_page(const float* q, const float* k, const float* v, int64_t stride, int n,
-                      int D, float* score, int score_len, float* m, float* l, float* acc) {
-  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
+[[maybe_unused]] inline void fold_page(const float* q, const float* k, const float* v,
+                                       int64_t stride, int n, int D, float* score,
+                                       int score_len, float* m, float* l, float* acc) {
   // Scores four keys at a time, each in dot's order: every key vector loaded once for the
   // P pairs, 4 P independent chains of additions in flight.
   int t = 0;
@@ -256,19 +256,54 @@ inline void fold_page(const float* q, const float* k, const float* v, int64_t st
       for (t = 0; t < n; ++t) a = fma1(score[x * score_len + t], v[t * stride + d], a);
       acc[x * D + d] = a;
     }
+}
+// ANCHOR_END: cpu_tuned_fold
+
+// ANCHOR: cpu_page_update
+// Fold one page of keys into the online softmax of one (query row, head) pair that sees its
+// first `n` keys: query q, running max m and sum l, the row's acc (D floats), and room for
+// the page's n scores. The scores, the new running max, the rescale of l and acc, then
+// p * V. The course's fold (the learner's build runs it); the engine's build runs the tuned
+// fold_page above, tested against it.
+[[maybe_unused]] inline void fold_page_plain(const float* q, const float* k, const float* v,
+                                             int64_t stride, int n, int D, float* score,
+                                             float* m, float* l, float* acc) {
+  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
+  float page_max = -kFloatMax;
+  for (int t = 0; t < n; ++t) {
+    score[t] = dot(q, k + t * stride, D);
+    page_max = std::max(page_max, score[t]);
+  }
+  const float new_m = std::max(*m, page_max);
+  const float correction = std::exp(*m - new_m);  // 0 on the first page: m is -inf there
+  *m = new_m;
+  *l *= correction;
+  for (int d = 0; d < D; ++d) acc[d] *= correction;
+  for (int t = 0; t < n; ++t) {
+    const float p = std::exp(score[t] - new_m);
+    *l += p;
+    for (int d = 0; d < D; ++d) acc[d] = fma1(p, v[t * stride + d], acc[d]);
+  }
   // END TASK
 }
 
-// `count` consecutive pairs that all see the page's first n keys, kPairsPerFold at a time.
+// `count` consecutive pairs that all see the page's first n keys: one at a time in the
+// course's build (TINY_LLM_COURSE_KERNEL), else kPairsPerFold at a time by the tuned fold.
 inline void fold_pairs(const float* q, int count, const float* k, const float* v,
                        int64_t stride, int n, int D, float* score, int score_len, float* m,
                        float* l, float* acc) {
+#if defined(TINY_LLM_COURSE_KERNEL)
+  (void)score_len;
+  for (int x = 0; x < count; ++x)
+    fold_page_plain(q + x * D, k, v, stride, n, D, score, m + x, l + x, acc + x * D);
+#else
   int x = 0;
   for (; x + kPairsPerFold <= count; x += kPairsPerFold)
     fold_page<kPairsPerFold>(q + x * D, k, v, stride, n, D, score, score_len, m + x, l + x,
                              acc + x * D);
   for (; x < count; ++x)
     fold_page<1>(q + x * D, k, v, stride, n, D, score, score_len, m + x, l + x, acc + x * D);
+#endif
 }
 // ANCHOR_END: cpu_page_update
 

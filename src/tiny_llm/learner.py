@@ -84,7 +84,8 @@ _failed_builds: dict[Path, float] = {}
 
 def build_learner_extension(ws: Path) -> Path:
     """Build the workspace's copy of the extension as module ``_ext_learner`` (again only
-    when a source is newer than the build); returns the module's file. A build that fails
+    when a source is newer than the build), with the course's readable kernels
+    (``TINY_LLM_COURSE_KERNEL``); returns the module's file. A build that fails
     raises ImportError with the compiler's errors, once per process: until a source
     changes, asking again raises a short reminder instead of building again."""
     build = ws / "build"
@@ -102,7 +103,7 @@ def build_learner_extension(ws: Path) -> Path:
     cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
     for args in (["-S", str(ws / "extensions"), "-B", str(build),
                   f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
-                  "-DTINY_LLM_EXT_NAME=_ext_learner"],
+                  "-DTINY_LLM_EXT_NAME=_ext_learner", "-DTINY_LLM_COURSE_KERNEL=ON"],
                  ["--build", str(build), "-j2"]):
         run = subprocess.run([cmake, *args], capture_output=True, text=True)
         if run.returncode:
