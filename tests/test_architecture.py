@@ -17,7 +17,7 @@ CORE = {"model", "moe", "loader", "tokenizer", "sampling", "request", "kv_cache"
         "extension", "cpu_kernels", "cpu_fused", "generate", "blas", "learner",
         "device"}  # fmt: skip
 OPTIONAL = {"speculative"}  # the optional chapters: the core and any day, never the engine
-TOP = {"engine", "cli", "course", "server", "__init__"}
+TOP = {"engine", "cli", "course", "course_tasks", "server", "__init__"}
 DAY = re.compile(r"day(\d+)_")
 
 
