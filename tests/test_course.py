@@ -10,6 +10,8 @@
   reference passing every task's tests is the rest of the suite.)
 - Tasks pass in order: with a task and those before it done and the rest of its day still
   stubs, the task's tests pass (Python and C++ tasks; a Metal task is its day's last).
+- A learner's likely mistake in each Python task (``MUTANTS``), planted in the reference,
+  fails that task's tests.
 
 C++ tasks are checked with one build of the extension whose task regions can be stubbed
 one at a time at run time (``TINY_LLM_STUB_TASK``), not one build per task.
@@ -288,3 +290,68 @@ def test_the_course_kernel_computes_the_tuned_kernels_attention(tiled, switchabl
         tuned = np.asarray(reference_extension().paged_attention(*case.args(), tiled=tiled))
     np.testing.assert_allclose(got, tuned, rtol=1e-5, atol=1e-6)
     assert not np.array_equal(got, tuned), "the course's build ran the tuned kernel"
+
+
+# ---------------------------------------------------------------------------------------
+# Wrong code a learner might write fails the task's tests
+
+# One learner-style mistake per Python task: (file, reference text, the mistake). Planted
+# in the reference alone, it must make the task's tests fail.
+D1, D2 = "tiny_llm/day1_batching.py", "tiny_llm/day2_chunked_prefill.py"
+D3 = "tiny_llm/day3_paged_kv.py"
+D4, D5 = "tiny_llm/day4_paged_attention.py", "tiny_llm/day5_paged_flash.py"
+SPEC, MOE = "tiny_llm/speculative.py", "tiny_llm/moe.py"
+MUTANTS = {
+    "1.1": (D1, "self.left -= 1", "pass"),  # a decode that costs the budget nothing
+    "1.2": (D1, "self.caches[slot].reset()", "pass"),  # a reused slot keeps old K/V
+    "1.3": (D1, "self.kv.free(req)\n", "\n"),  # a retired request keeps its storage
+    "1.4": (D1, 'return self.policy == "continuous" or not self.running', "return True"),
+    "1.5": (D1, "ScheduledChunk(r, r.num_computed_tokens,", "ScheduledChunk(r, 0,"),
+    "1.6": (D1, "scale, chunk.start))", "scale, 0))"),  # every chunk at position 0
+    "1.7": (D1, "steps = sum(max(output_lens", "steps = sum(min(output_lens"),
+    "2.1": (D2, "granted = min(needed, self.left)", "granted = needed"),
+    "2.2": (D2, "return decodes + prefills", "return prefills + decodes"),
+    "2.3": (D2, "granted = min(granted, self.max_chunk)",
+            "granted = min(granted, self.max_chunk + 1)"),
+    "3.1": (D3, "return -(-num_tokens // block_size)", "return num_tokens // block_size + 1"),
+    "3.2": (D3, "if max_len is None else max_len", "if max_len else 0"),
+    "3.3": (D3, "blocks_needed(new_len, self.block_size) - len(table)",
+            "blocks_needed(num_tokens, self.block_size) - len(table)"),
+    "3.4": (D3, "for block_id in reversed(table[keep:]):", "for block_id in table[keep:]:"),
+    "3.5": (D3, "range(0, len(token_ids) - 1 - bs + 1, bs)",
+            "range(0, len(token_ids) - bs + 1, bs)"),
+    "3.6": (D3, "table[p // page_size] * page_size + p % page_size",
+            "table[p // page_size] + p % page_size"),
+    "3.7": (D3, "budget.give_back(plan.pop(victim))", "plan.pop(victim)"),
+    "4.1": (D4, "<= walk.last_pos  # [T,1,1,S]", "< walk.last_pos  # [T,1,1,S]"),
+    "5.1": (D5, "QueryTile(b, first, min(tile_rows, hi - first))",
+            "QueryTile(b, first, tile_rows)"),
+    "5.2": (D5, "walk.last_pos.max(axis=1)", "walk.last_pos.min(axis=1)"),
+    "6.1": (SPEC, "rng.random() < min(1.0, p / q)", "rng.random() < p"),
+    "6.2": (SPEC, "block_size > num_tokens:", "block_size > num_tokens + 1:"),
+    "6.3": (SPEC, "range(len(tokens) - n - 1, -1, -1)", "range(len(tokens) - n)"),
+    "7.1": (MOE, "if normalize:", "if not normalize:"),
+    "7.2": (MOE, "x[order // experts.shape[1]]", "x[order // experts.shape[0]]"),
+    "7.3": (MOE, "mx.zeros_like(outputs).at[order].add(outputs)", "outputs"),
+}
+
+
+def test_every_python_task_has_a_mistake_to_catch():
+    assert set(MUTANTS) == {t.id for t in PYTHON_TASKS}
+
+
+@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
+def test_a_learners_mistake_fails_the_tasks_tests(task, tmp_path):
+    file, right, wrong = MUTANTS[task.id]
+    path = Path(file)
+    reference = (course.SRC.parent / path).read_text()
+    assert reference.count(right) == 1, f"{task.id}: the mutant's text is not in {file} once"
+    line = reference[: reference.index(right)].count("\n")
+    assert any(r.path == path and r.start < line < r.end for r in task.regions), (
+        f"{task.id}: the mutant is not in the task's code")
+    target = tmp_path / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(reference.replace(right, wrong))
+    run = course.run_task_tests(task, tmp_path, extra=["-x"])
+    assert run.returncode == 1, (f"task {task.id}: a learner's mistake ({wrong.strip()!r}) "
+                                 f"passes its tests\n{(run.stdout + run.stderr)[-2000:]}")

@@ -29,6 +29,7 @@ from tiny_llm.sampling import SamplingParams
 from tiny_llm.step import DenseLayout
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
+import mlx.core as mx
 import pytest
 
 DAY1 = dict(kv_cache="dense", enable_chunked_prefill=False)
@@ -279,6 +280,21 @@ def test_model_free_scheduler_admits_and_retires_in_flight():
     assert all(r.num_running <= 2 for r in [first, second, third, *sim.run()])
 
 
+@pytest.mark.task("1.5")
+def test_a_chunk_starts_where_its_request_left_off():
+    scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    a, b = SimRequest(0, 4, 3), SimRequest(1, 2, 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule()
+    assert [(c.request, c.start, c.end) for c in first] == [(a, 0, 4), (b, 0, 2)]
+    scheduler.finish_step(first)
+    for req in (a, b):
+        req.output_token_ids.append(7)  # the sampled token, still to be computed
+    second = scheduler.schedule()
+    assert [(c.request, c.start, c.end) for c in second] == [(a, 4, 5), (b, 2, 3)]
+
+
 def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
     """Bytes held back mid-character come out only at the end; a stop string they
     complete must still be cut (and the reason becomes "stop")."""
@@ -333,9 +349,13 @@ def test_dense_slots_are_taken_once_and_reused():
     assert slots.allocate(b, 3)
     assert sorted(slots.slot_of.values()) == [0, 1] and slots.free_slots == []
     slot_a = slots.slot_of[a]
+    kv = mx.ones((3, 1, 4))
+    slots.caches[slot_a].attend(0, kv, kv, kv, 1.0)  # a's K/V in its slot
+    assert slots.caches[slot_a].length == 3
     slots.free(a)
     slots.free(a)  # freeing twice changes nothing
     assert slots.free_slots == [slot_a]
+    assert slots.caches[slot_a].length == 0  # the next request does not attend to a's K/V
     assert slots.allocate(c, 3) and slots.slot_of[c] == slot_a  # reused at once
     assert slots.layout([]) == DenseLayout([])
 

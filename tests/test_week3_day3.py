@@ -32,6 +32,9 @@ def test_fragmentation():
     frag = kv_cache_blocks_fragmentation([5, 16, 17], block_size=16, max_len=64)
     assert (frag.paged_total_slots, frag.paged_wasted_slots) == (16 + 16 + 32, 64 - 38)
     assert (frag.dense_total_slots, frag.dense_wasted_slots) == (3 * 64, 3 * 64 - 38)
+    # No max_len: a static batch reserves the longest sequence for every one.
+    frag = kv_cache_blocks_fragmentation([5, 16, 17], block_size=16)
+    assert (frag.dense_total_slots, frag.dense_wasted_slots) == (3 * 17, 3 * 17 - 38)
 
 
 @pytest.mark.task("3.3")
@@ -318,3 +321,22 @@ def test_preemption_takes_the_newest_request_and_requeues_it_first():
     assert all(len(r.output_token_ids) == r.output_len for r in (old, middle, new, late))
     bm.check_invariants()
     assert bm.num_free_blocks == 5
+
+
+@pytest.mark.task("3.7")
+def test_a_victim_planned_this_step_leaves_the_plan_and_gives_its_tokens_back():
+    """make_room preempts the newest running request; one already given tokens this step
+    loses them, and the step's budget gets them back for the requests after it."""
+    bm = BlockManager(num_blocks=2, block_size=4)
+    sim = ContinuousBatchingScheduler(max_batch=2, block_manager=bm, max_num_batched_tokens=16)
+    old, new = (sim.add_request(4, 3, [i] * 4) for i in range(2))
+    sim.step()  # both prompts: a page each, the pool is full; each 5th token needs a page
+    scheduler = sim.scheduler
+    budget = scheduler.new_budget()
+    assert budget.take_decode() and budget.take_decode()  # old's and new's tokens
+    plan = {new: 1}  # new was planned first (say, by a running order that put it first)
+    assert scheduler.make_room(old, 5, plan, budget)
+    assert plan == {} and budget.left == 16 - 1
+    assert scheduler.running == [old] and list(scheduler.waiting) == [new]
+    assert new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert len(bm.tables[old]) == 2
