@@ -344,9 +344,13 @@ def test_a_listing_with_part_of_a_task_fails_the_build():
 
     course = book_tasks.load_course_tasks()
     whole = "```python\n    # TASK 3.1: blocks_needed — Pages\n    return 1\n    # END TASK\n```"
-    folded = book_tasks.fold_tasks(whole, course, "ch.md")
-    assert "return 1" not in folded.split("<details>")[0] and "NotImplementedError" in folded
+    for closing in ("```", "````"):  # a closing fence may be longer than the opening one
+        folded = book_tasks.fold_tasks(whole[:-3] + closing, course, "ch.md")
+        assert "return 1" not in folded.split("<details>")[0] and "NotImplementedError" in folded
     for part in ("```python\n    # TASK 3.1: blocks_needed — Pages\n    return 1\n```",
-                 "```python\n    return 1\n    # END TASK\n```"):
+                 "```python\n    return 1\n    # END TASK\n```",
+                 "```python\n    # TASK 3.1: blocks_needed — Pages\n    return 1\n    # END TASK\n",
+                 "> ```python\n> # TASK 3.1: blocks_needed — Pages\n> return 1\n"
+                 "> # END TASK\n> ```"):
         with pytest.raises(book_tasks.PartialTask, match="ch.md"):
             book_tasks.fold_tasks(part, course, "ch.md")

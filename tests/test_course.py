@@ -100,6 +100,23 @@ def test_start_writes_stubs_and_never_overwrites_work(tmp_path, monkeypatch):
     assert learner.learner_file("day1_batching") is None  # not started: the reference
 
 
+def test_course_test_runs_a_started_days_tasks_with_the_switch_unset(tmp_path, monkeypatch):
+    """``tiny-llm course test 3.1`` as the book shows it: no TINY_LLM_LEARNER in the
+    environment, the workspace the repository's ``workspace/``."""
+    from tiny_llm import cli
+
+    monkeypatch.setenv(learner.ENV, "0")  # restored (unset) after the test
+    monkeypatch.setattr(learner, "REPO_DIR", tmp_path)
+    course.start(3)
+    monkeypatch.delenv(learner.ENV)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd: commands.append(cmd) or 0)
+    assert cli.main(["course", "test", "3.1", "-k", "pages"]) == 0
+    assert commands[0][-5:] == ["--learner", "--task", "3.1", "-k", "pages"]
+    assert cli.main(["course", "test", "1.1"]) == 2  # Day 1 not started: refused
+    assert cli.main(["course", "test", "3.9"]) == 2 and len(commands) == 1
+
+
 @needs_linux_compiler
 def test_kernel_stubs_are_added_day_by_day_around_a_learners_work(tmp_path, monkeypatch):
     monkeypatch.setenv(learner.ENV, str(tmp_path))

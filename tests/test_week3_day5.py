@@ -30,6 +30,7 @@ from tiny_llm.day5_paged_flash import (
     paged_flash_reference,
     tile_rows,
 )
+from tiny_llm.device import plans_for_gpu
 from tiny_llm.engine import LLMEngine
 from tiny_llm.extension import extension
 from tiny_llm.kv_cache import DenseKVCache
@@ -367,7 +368,8 @@ def mixed_workload(seed: int = 0):
 FINAL = dict(max_num_seqs=4, max_num_batched_tokens=24, page_size=8, num_pages=24)
 
 
-@pytest.mark.parametrize("attention", [pytest.param("flash", marks=pytest.mark.task("5.3")),
+@pytest.mark.parametrize("attention", [pytest.param("flash", marks=pytest.mark.task(
+                                           "5.4" if plans_for_gpu() else "5.3")),
                                        pytest.param("tiled_walk",
                                                     marks=pytest.mark.task("5.2"))])
 def test_final_engine_equals_dense_day1_engine(tiny_model, smollm_tokenizer, attention):

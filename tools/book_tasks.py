@@ -50,21 +50,30 @@ def fold_tasks(content: str, course: Any, where: str) -> str:
     tasks = course.tasks()
     out: list[str] = []
     block: list[str] | None = None  # the open code block's lines
-    fence = lang = ""
+    fence = lang = indent = ""
+    stubbed = 0
     for line in content.split("\n"):
         if block is None:
             if m := FENCE.match(line):
-                block, fence, lang = [], m["fence"], m["lang"]
+                block, fence, lang, indent = [], m["fence"], m["lang"], m["indent"]
             out.append(line)
             continue
-        if line.strip().startswith(fence) and not line.strip()[len(fence):].strip():
+        closing = line.strip()
+        if closing.startswith(fence) and not closing.strip(fence[0]):  # as long or longer
             code, solutions = stub_block(block, tasks, course, lang, where)
-            out += [*code, line, *solutions]
+            stubbed += sum(1 for c in code if MARK.match(c))
+            out += [*code, line, *(indent + s if s else s for s in solutions)]
             block = None
             continue
         block.append(line)
     if block is not None:
         out += block
+    # Fail closed: a mark the loop did not stub (in a block never closed, in a quote) would
+    # show its solution.
+    marks = sum(1 for line in content.split("\n") if MARK.match(line.lstrip("> ")))
+    if marks != stubbed:
+        raise PartialTask(f"{where}: {marks - stubbed} task region(s) outside a code block "
+                          "this preprocessor reads (an unclosed fence, a quote): not stubbed")
     return "\n".join(out)
 
 

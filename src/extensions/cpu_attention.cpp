@@ -148,8 +148,9 @@ constexpr int kPairsPerFold = 2;
 // schedule folds through this, and a pair's arithmetic does not depend on P or on the
 // other pairs, so a row's result does not depend on the schedule or on how the prompt
 // was chunked.
+#if !defined(TINY_LLM_COURSE_KERNEL)  // a learner's build has only the fold they write
 template <int P>
-[[maybe_unused]] inline void fold_page(const float* q, const float* k, const float* v,
+inline void fold_page(const float* q, const float* k, const float* v,
                                        int64_t stride, int n, int D, float* score,
                                        int score_len, float* m, float* l, float* acc) {
   // Scores four keys at a time, each in dot's order: every key vector loaded once for the
@@ -257,6 +258,7 @@ template <int P>
       acc[x * D + d] = a;
     }
 }
+#endif
 // ANCHOR_END: cpu_tuned_fold
 
 // ANCHOR: cpu_page_update
@@ -268,14 +270,14 @@ template <int P>
 [[maybe_unused]] inline void fold_page_plain(const float* q, const float* k, const float* v,
                                              int64_t stride, int n, int D, float* score,
                                              float* m, float* l, float* acc) {
-  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
+  // TASK 4.2: walk_pages and fold_page_plain — The vector schedule on the CPU
   float page_max = -kFloatMax;
   for (int t = 0; t < n; ++t) {
     score[t] = dot(q, k + t * stride, D);
     page_max = std::max(page_max, score[t]);
   }
   const float new_m = std::max(*m, page_max);
-  const float correction = std::exp(*m - new_m);  // 0 on the first page: m is -inf there
+  const float correction = std::exp(*m - new_m);  // 0 on the first page: m starts at -FLT_MAX
   *m = new_m;
   *l *= correction;
   for (int d = 0; d < D; ++d) acc[d] *= correction;
@@ -375,7 +377,7 @@ void walk_pages(const float* qf, int rows, int first_pos, const T* k_pages, cons
   float *m = st.m, *l = st.l, *acc = st.acc;
   // ANCHOR: cpu_tile_walk
   const int num_keys = first_pos + rows;  // the last row sees keys 0 .. first_pos + rows - 1
-  // TASK 4.2: walk_pages and fold_page, the vector schedule — The vector schedule on the CPU
+  // TASK 4.2: walk_pages and fold_page_plain — The vector schedule on the CPU
   for (int j = j0, start = j0 * ps; j < j1 && start < num_keys; ++j, start += ps) {
     const int n = std::min(ps, num_keys - start);
     // Address translation: logical page j of this sequence is physical page table[j].

@@ -91,8 +91,7 @@ def start(day: int) -> list[str]:
 
 
 def started_days() -> list[int]:
-    ws = learner.workspace()
-    return [] if ws is None else _state(ws).get("started", [])
+    return _state(require_workspace()).get("started", [])
 
 
 def _state(ws: Path) -> dict:
@@ -108,6 +107,9 @@ def _save_state(ws: Path, state: dict) -> None:
 # -------------------------------------------------------------------- status
 
 
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".metal", ".txt"}  # .txt: CMakeLists.txt
+
+
 def _fingerprint(task: Task, ws: Path) -> str:
     """What a task's result depends on: its tests, every reference file that may hold tasks,
     and every file of the workspace (the learner's modules and extension), by content."""
@@ -115,7 +117,7 @@ def _fingerprint(task: Task, ws: Path) -> str:
     files = [*test_files(task), TESTS / "conftest.py",
              *(SRC.parent / path for path in source_files()),
              *sorted(p for sub in ("tiny_llm", "extensions") for p in (ws / sub).rglob("*")
-                     if p.is_file())]
+                     if p.is_file() and p.suffix in SOURCE_SUFFIXES)]
     for f in files:
         h.update(str(f).encode() + b"\0" + (f.read_bytes() if f.exists() else b"-"))
     return h.hexdigest()

@@ -78,27 +78,44 @@ def learner_modules() -> list[str]:
 
 
 # ANCHOR: learner_extension
-# Builds that failed in this process: workspace -> the newest source's time then.
-_failed_builds: dict[Path, float] = {}
+# Workspaces whose failed build this process has reported (its compiler errors shown once).
+_reported_failures: set[Path] = set()
 
 
 def build_learner_extension(ws: Path) -> Path:
     """Build the workspace's copy of the extension as module ``_ext_learner`` (again only
     when a source is newer than the build), with the course's readable kernels
-    (``TINY_LLM_COURSE_KERNEL``); returns the module's file. A build that fails
-    raises ImportError with the compiler's errors, once per process: until a source
-    changes, asking again raises a short reminder instead of building again."""
+    (``TINY_LLM_COURSE_KERNEL``); returns the module's file. A build that fails raises
+    ImportError with the compiler's errors, and is not tried again until a source changes
+    (``build/failed`` records the sources it failed on, for every process): each process
+    shows the errors once, then a one-line reminder."""
     build = ws / "build"
     built = sorted(build.glob("_ext_learner*.so"))
     sources = [p for p in (ws / "extensions").rglob("*") if p.is_file()]
     newest = max(p.stat().st_mtime for p in sources)
     if built and built[0].stat().st_mtime >= newest:
         return built[0]
-    if _failed_builds.get(ws) == newest:
+    log, failed = build / "build.log", build / "failed"
+    if not (failed.exists() and failed.read_text() == repr(newest)):
+        print(f"tiny_llm: building your extension ({ws / 'extensions'}) ...", file=sys.stderr,
+              flush=True)
+        if _cmake_build(ws, build, log):
+            failed.unlink(missing_ok=True)
+            _reported_failures.discard(ws)
+            return sorted(build.glob("_ext_learner*.so"))[0]
+        failed.write_text(repr(newest))
+        _reported_failures.discard(ws)
+    if ws in _reported_failures:
         raise ImportError(f"your extension does not build (its errors were shown once, "
-                          f"above; the whole log: {build / 'build.log'})")
-    print(f"tiny_llm: building your extension ({ws / 'extensions'}) ...", file=sys.stderr,
-          flush=True)
+                          f"above; the whole log: {log})")
+    _reported_failures.add(ws)
+    raise ImportError(f"your extension does not build:\n{compiler_errors(log.read_text())}\n"
+                      f"(the whole log: {log})")
+
+
+def _cmake_build(ws: Path, build: Path, log: Path) -> bool:
+    """Configure and build the workspace's extension; False (the output in ``log``) if it
+    fails."""
     venv_cmake = Path(sys.executable).with_name("cmake")  # make setup installs it there
     cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
     for args in (["-S", str(ws / "extensions"), "-B", str(build),
@@ -107,21 +124,17 @@ def build_learner_extension(ws: Path) -> Path:
                  ["--build", str(build), "-j2"]):
         run = subprocess.run([cmake, *args], capture_output=True, text=True)
         if run.returncode:
-            log = build / "build.log"
             build.mkdir(parents=True, exist_ok=True)
             log.write_text(run.stdout + run.stderr)
-            _failed_builds[ws] = newest
-            raise ImportError(f"your extension does not build:\n{compiler_errors(run)}\n"
-                              f"(the whole log: {log})")
-    _failed_builds.pop(ws, None)
-    return sorted(build.glob("_ext_learner*.so"))[0]
+            return False
+    return True
 
 
-def compiler_errors(run: subprocess.CompletedProcess, limit: int = 40) -> str:
+def compiler_errors(output: str, limit: int = 40) -> str:
     """The lines of a failed build that say what is wrong: each error and the lines after
     it that point at the code, at most ``limit``."""
-    lines = (run.stdout + run.stderr).splitlines()
-    starts = [i for i, line in enumerate(lines) if "error" in line.lower()]
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if "error:" in line]
     keep = sorted({j for i in starts for j in range(i, min(i + 4, len(lines)))})
     picked = [lines[j] for j in keep][:limit] or lines[-limit:]
     return "\n".join(picked)
