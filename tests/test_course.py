@@ -137,13 +137,7 @@ def test_kernel_stubs_are_added_day_by_day_around_a_learners_work(tmp_path, monk
 
 
 def failing_run(task: course.Task, ws: Path, env: dict[str, str] | None = None) -> str:
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        run = course.run_task_tests(task, ws, extra=["-x"])
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    run = course.run_task_tests(task, ws, extra=["-x"], env=env)
     output = run.stdout + run.stderr
     assert run.returncode == 1, f"task {task.id} stubbed, its tests still pass:\n{output[-3000:]}"
     return output
@@ -248,13 +242,7 @@ def write_python_stubs(ws: Path, day: int, ids: set[str]) -> None:
 
 
 def passing_run(task: course.Task, ws: Path, env: dict[str, str]) -> None:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        run = course.run_task_tests(task, ws)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    run = course.run_task_tests(task, ws, env=env)
     later = ", ".join(sorted(later_tasks(task))) or "none"
     assert course.outcome(run) == "pass", (
         f"task {task.id} done, the tasks after it ({later}) stubbed: its tests do not pass\n"

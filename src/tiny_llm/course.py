@@ -149,13 +149,15 @@ def test_files(task: Task) -> list[Path]:
     return files
 
 
-def run_task_tests(task: Task, ws: Path | None = None, extra: list[str] | None = None
-                   ) -> subprocess.CompletedProcess:
-    """The task's tests against the workspace (a separate process: a fresh import)."""
+def run_task_tests(task: Task, ws: Path | None = None, extra: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The task's tests against the workspace (a separate process: a fresh import), with
+    ``env`` added to this process's environment."""
     ws = ws or require_workspace()
     cmd = [sys.executable, "-m", "pytest", *map(str, test_files(task)), "--learner-workspace",
            str(ws), "--task", task.id, "-p", "no:cacheprovider", *(extra or [])]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent,
+                          env={**os.environ, **(env or {})})
 
 
 def outcome(run: subprocess.CompletedProcess) -> str:
