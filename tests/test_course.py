@@ -10,11 +10,12 @@
   reference passing every task's tests is the rest of the suite.)
 - Tasks pass in order: with a task and those before it done and the rest of its day still
   stubs, the task's tests pass (Python and C++ tasks; a Metal task is its day's last).
-- A learner's likely mistake in each Python task (``MUTANTS``), planted in the reference,
-  fails that task's tests.
+- A learner's likely mistake in each task (``MUTANTS``, ``KERNEL_MUTANTS``), planted in the
+  reference, fails that task's tests.
 
-C++ tasks are checked with one build of the extension whose task regions can be stubbed
-one at a time at run time (``TINY_LLM_STUB_TASK``), not one build per task.
+C++ tasks are checked with one build of the extension whose task regions can be stubbed, and
+their mistakes switched on, one at a time at run time (``TINY_LLM_STUB_TASK``,
+``TINY_LLM_MUTANT``), not one build per task.
 """
 
 from __future__ import annotations
@@ -152,24 +153,36 @@ def test_stubbing_a_python_task_alone_fails_its_tests(task, tmp_path):
     assert task.message in failing_run(task, tmp_path)
 
 
+def switch_on(variable: str, task_id: str) -> str:
+    """C++: whether ``task_id`` is in the comma-separated list ``$variable`` (read once)."""
+    on = f'course_switch("{variable}", "{task_id}")'
+    return f"([] {{ static const bool on = {on}; return on; }}())"
+
+
 @pytest.fixture(scope="module")
 def switchable_extension(tmp_path_factory) -> Path:
-    """A workspace whose extension can stub any one C++ task at run time, built once."""
+    """A workspace whose extension can stub any C++ task, or plant its mistake, at run time,
+    built once."""
     ws = tmp_path_factory.mktemp("switchable")
     shutil.copytree(course.EXTENSIONS, ws / "extensions",
                     ignore=shutil.ignore_patterns("blas_shim"))
     switch = ('#include <cstdlib>\n#include <cstring>\n#include <stdexcept>\n'
-              'static bool course_stubbed(const char* id) {  // id in a comma-separated list\n'
-              '  const char* s = std::getenv("TINY_LLM_STUB_TASK");\n'
+              'static bool course_switch(const char* var, const char* id) {\n'
+              '  const char* s = std::getenv(var);\n'
               '  const size_t n = std::strlen(id);\n'
               '  for (const char* p = s; p != nullptr && (p = std::strstr(p, id)); p += n)\n'
               '    if ((p == s || p[-1] == \',\') && (p[n] == \',\' || p[n] == \'\\0\'))\n'
               '      return true;\n'
               '  return false;\n}\n')
     for path in {r.path for t in CPP_TASKS for r in t.regions}:
-        lines = (ws / path).read_text().splitlines()
-        for region, task_id, _, _ in reversed(course.regions_in("\n".join(lines), path)):
-            guard = (f'{region.indent}if (course_stubbed("{task_id}")) '
+        text = (ws / path).read_text()
+        for task_id, (file, right, wrong) in KERNEL_MUTANTS.items():
+            if Path(file) == path:  # an expression for an expression: the lines stay
+                text = text.replace(right, f"({switch_on('TINY_LLM_MUTANT', task_id)} ? "
+                                           f"({wrong}) : ({right}))")
+        lines = text.splitlines()
+        for region, task_id, _, _ in reversed(course.regions_in(text, path)):
+            guard = (f'{region.indent}if ({switch_on("TINY_LLM_STUB_TASK", task_id)}) '
                      f'throw std::runtime_error("{TASKS[task_id].message}");')
             lines.insert(region.start + 1, guard)
         (ws / path).write_text(switch + "\n".join(lines) + "\n")
@@ -341,22 +354,67 @@ MUTANTS = {
 }
 
 
-def test_every_python_task_has_a_mistake_to_catch():
+# One per kernel task. A C++ mistake is an expression for an expression (the switchable
+# build switches it on at run time); a Metal one is written into the kernel file, and the
+# extension, which embeds that file, is rebuilt around it.
+CPU_ATTENTION, OPS = "extensions/cpu_attention.cpp", "extensions/ops.cpp"
+METAL = "extensions/metal/paged_attention.metal"
+KERNEL_MUTANTS = {
+    "4.2": (CPU_ATTENTION, "acc[d] *= correction", "acc[d] *= 1.0f"),  # l rescaled, acc not
+    "4.3": (OPS, "dst + slots[t] * row_bytes", "dst + t * row_bytes"),  # rows in order, no slots
+    "4.4": (METAL,  # a 32-bit pool offset: wraps past 2**31 elements
+            "const long base = (long(page) * page_size + t) * slot_stride + long(kv_head) * "
+            "HEAD_DIM;", "const int base = (page * page_size + t) * slot_stride + kv_head * "
+            "HEAD_DIM;"),
+    "5.3": (CPU_ATTENTION, "qsl[b + 1] - r", "qsl[b + 1] - r - 1"),  # each tile a row short
+    "5.4": (METAL, "const long offset = (long(page) * page_size + key0 % page_size + t)",
+            "const int offset = (page * page_size + key0 % page_size + t)"),
+}
+
+
+def test_every_task_has_a_mistake_to_catch():
     assert set(MUTANTS) == {t.id for t in PYTHON_TASKS}
+    assert set(KERNEL_MUTANTS) == {t.id for t in TASKS.values() if t.kind == "kernel"}
 
 
-@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
-def test_a_learners_mistake_fails_the_tasks_tests(task, tmp_path):
-    file, right, wrong = MUTANTS[task.id]
+def planted(task: course.Task, file: str, right: str, wrong: str) -> str:
+    """The reference ``file`` with the mistake planted, checked to lie in the task's code."""
     path = Path(file)
     reference = (course.SRC.parent / path).read_text()
     assert reference.count(right) == 1, f"{task.id}: the mutant's text is not in {file} once"
     line = reference[: reference.index(right)].count("\n")
     assert any(r.path == path and r.start < line < r.end for r in task.regions), (
         f"{task.id}: the mutant is not in the task's code")
-    target = tmp_path / path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(reference.replace(right, wrong))
-    run = course.run_task_tests(task, tmp_path, extra=["-x"])
+    return reference.replace(right, wrong)
+
+
+def mistake_fails(task: course.Task, wrong: str, ws: Path, env: dict[str, str] | None = None):
+    run = course.run_task_tests(task, ws, extra=["-x"], env=env)
     assert run.returncode == 1, (f"task {task.id}: a learner's mistake ({wrong.strip()!r}) "
                                  f"passes its tests\n{(run.stdout + run.stderr)[-2000:]}")
+
+
+@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
+def test_a_learners_mistake_fails_the_tasks_tests(task, tmp_path):
+    file, right, wrong = MUTANTS[task.id]
+    target = tmp_path / file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(planted(task, file, right, wrong))
+    mistake_fails(task, wrong, tmp_path)
+
+
+@needs_linux_compiler
+@pytest.mark.parametrize("task", [*CPP_TASKS, *METAL_TASKS], ids=lambda t: t.id)
+def test_a_learners_kernel_mistake_fails_the_tasks_tests(task, switchable_extension):
+    file, right, wrong = KERNEL_MUTANTS[task.id]
+    text = planted(task, file, right, wrong)
+    if task in CPP_TASKS:
+        mistake_fails(task, wrong, switchable_extension, {"TINY_LLM_MUTANT": task.id})
+        return
+    kernel = switchable_extension / file
+    reference = kernel.read_text()
+    kernel.write_text(text)  # newer than the build: the task's tests rebuild the extension
+    try:
+        mistake_fails(task, wrong, switchable_extension)
+    finally:
+        kernel.write_text(reference)

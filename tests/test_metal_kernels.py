@@ -45,6 +45,7 @@ from tiny_llm.testing.paged import float64_reference, make_paged_case  # noqa: E
 
 from metal_emulator import (  # noqa: E402
     DEFAULT_SCHEDULES,
+    Sparse,
     bfloat16_to_float32,
     kernel_source,
     lint_metal,
@@ -244,6 +245,33 @@ def test_reference_masks_causally_and_ignores_nan_garbage() -> None:
 def test_production_launch_matches_numpy_under_all_schedules(plan: str, case: MetalCase) -> None:
     assert len(DEFAULT_SCHEDULES) >= 4
     got = run_case(case, plan)
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(got, inputs(case).ref, atol=tol, rtol=tol)
+
+
+@needs_emulator
+@pytest.mark.parametrize("plan", [pytest.param(p, marks=pytest.mark.task(*PLAN_TASKS[p]))
+                                  for p in PLANS])
+def test_a_pool_past_2_31_elements_is_addressed_in_64_bits(plan: str) -> None:
+    # One layer's pool can hold more than 2**31 elements (a 4 GiB half pool: a large model
+    # at a long context), so a kernel must compute pool offsets in 64 bits: an `int` offset
+    # wraps (as it does on a GPU, and under the emulator's -fwrapv) and reads elsewhere. The
+    # case's pages move past element 2**31 of pools the emulator maps without memory.
+    import mlx.core as mx
+
+    case = CASE_BY_NAME["smollm2_f16_9q3kv"]  # decodes and prefill chunks, 3 KV heads
+    launch = plan_for(case, plan)
+    arrays = dict(zip(launch["input_names"], launch["inputs"], strict=True))
+    page_elems = case.page_size * case.n_kv_heads * case.head_dim
+    first = 2**31 // page_elems + 1  # the case's page 0 moves here: past element 2**31
+    for name in ("k_pages", "v_pages"):
+        data = np.array(arrays[name])
+        page_bytes = page_elems * data.itemsize
+        arrays[name] = Sparse((first + data.shape[0]) * page_bytes, first * page_bytes, data)
+    table = np.array(arrays["block_table"])
+    arrays["block_table"] = mx.array(np.where(table >= 0, table + first, table))
+    moved = {**launch, "inputs": list(arrays.values())}
+    got = run_case(case, moved, "forward")
     tol = TOLERANCE[case.dtype]
     np.testing.assert_allclose(got, inputs(case).ref, atol=tol, rtol=tol)
 

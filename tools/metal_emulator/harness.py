@@ -44,6 +44,7 @@ __all__ = [
     "Out",
     "ScheduleMismatch",
     "SimdError",
+    "Sparse",
     "bfloat16_to_float32",
     "compile_metal",
     "float32_to_bfloat16",
@@ -64,6 +65,7 @@ KERNEL_FLAGS = (
     "-fPIC",
     "-fno-exceptions",
     "-fno-strict-aliasing",
+    "-fwrapv",  # int arithmetic wraps, as a GPU's does: an overflowing index reads elsewhere
     "-ffp-contract=off",  # no fused multiply-add: results independent of -march
     "-fsingle-precision-constant",  # MSL literals like 0.5 are float, not double
     "-ftrivial-auto-var-init=pattern",  # uninitialised locals get a recognisable pattern
@@ -132,6 +134,32 @@ class Out:
     dtype: Any = np.float32
 
 
+@dataclass(frozen=True)
+class Sparse:
+    """An input buffer of ``nbytes`` bytes, zero but for ``data`` at byte ``offset``.
+
+    The emulator maps it without reserving memory and copies only ``data`` in (and back), so
+    a kernel can address a buffer larger than this machine's memory, as a KV pool past 2**31
+    elements is, and read the few pages of it that hold the case's data."""
+
+    nbytes: int
+    offset: int
+    data: np.ndarray
+
+    # What a launch plan reads of its inputs (mlx_jit), as of an array of nbytes.
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def size(self) -> int:
+        return self.nbytes // self.data.itemsize
+
+
 class Outputs(dict):
     """Final buffer contents keyed by kernel parameter name; ``[int]`` looks up by buffer index."""
 
@@ -152,6 +180,8 @@ class _MtlEmuBuffer(ctypes.Structure):
         ("name", ctypes.c_char_p),
         ("host", ctypes.c_void_p),
         ("size", ctypes.c_uint64),
+        ("host_offset", ctypes.c_uint64),
+        ("host_size", ctypes.c_uint64),
     ]
 
 
@@ -400,7 +430,8 @@ class MetalLibrary:
         """Runs entry point ``kernel`` once and returns all bound arrays' final contents.
 
         buffers: keys are buffer indices or parameter names; values are numpy
-            arrays (copied in), ``Out(shape, dtype)`` (NaN-filled outputs),
+            arrays (copied in), ``Sparse`` buffers (their data copied in, returned
+            as the data's final contents), ``Out(shape, dtype)`` (NaN-filled outputs),
             dicts (packed into the parameter's Params struct), bytes, or numpy
             scalars. Every ``[[buffer(n)]]`` parameter must be bound.
         grid / groups: threads per grid (dispatchThreads; trailing threadgroups
@@ -430,6 +461,7 @@ class MetalLibrary:
                 by_index[p.buffer_index] = p
                 by_name[p.name] = p
         bound: dict[int, tuple[np.ndarray, bool, tuple[int, ...] | None]] = {}
+        extent: dict[int, tuple[int, int]] = {}  # (bytes, offset of the host's) when sparse
         for key, value in buffers.items():
             p = by_index.get(key) if isinstance(key, int) else by_name.get(key)
             if p is None:
@@ -447,6 +479,13 @@ class MetalLibrary:
                 bound[idx] = (arr, True, shape)
             elif isinstance(value, Mapping):
                 bound[idx] = (self._pack_params(p, value), False, None)
+            elif isinstance(value, Sparse):
+                arr = np.array(value.data, copy=True, order="C")
+                if value.offset < 0 or value.offset + arr.nbytes > value.nbytes:
+                    raise ValueError(f"{kernel}: {p.name}: the data of a Sparse buffer of "
+                                     f"{value.nbytes} bytes must lie inside it")
+                bound[idx] = (arr, False, arr.shape)
+                extent[idx] = (value.nbytes, value.offset)
             elif isinstance(value, (bytes, bytearray)):
                 bound[idx] = (np.frombuffer(bytes(value), dtype=np.uint8).copy(), False, None)
             else:
@@ -468,7 +507,8 @@ class MetalLibrary:
             descs[k].poison = 1 if poison else 0
             descs[k].name = name
             descs[k].host = arr.ctypes.data if arr.nbytes else None
-            descs[k].size = arr.nbytes
+            descs[k].size, descs[k].host_offset = extent.get(idx, (arr.nbytes, 0))
+            descs[k].host_size = arr.nbytes
         tg_mem = (ctypes.c_uint32 * 32)()
         for i, nbytes in (threadgroup_memory or {}).items():
             tg_mem[i] = int(nbytes)

@@ -926,7 +926,10 @@ struct MtlEmuBuffer {
   int32_t poison;  // 1: fill with 0xFF (NaN) instead of copying from host
   const char* name;
   void* host;
-  uint64_t size;
+  uint64_t size;        // the buffer's bytes, as the kernel sees them
+  uint64_t host_offset; // where the host's bytes lie in the buffer
+  uint64_t host_size;   // the host's bytes: size, or fewer for a sparse buffer (the rest
+                        // reads as zero and costs no memory until written)
 };
 
 MTL_EMU_EXPORT int mtl_emu_kernel_count() { return static_cast<int>(registry().size()); }
@@ -1016,14 +1019,21 @@ MTL_EMU_EXPORT int mtl_emu_launch(const char* kernel, const MtlEmuBuffer* bufs, 
     s.map = static_cast<char*>(m);
     mprotect(s.map + kBufferGuard, body, PROT_READ | PROT_WRITE);
     s.data = align_start ? s.map + kBufferGuard : s.map + kBufferGuard + body - b.size;
-    std::memset(s.map + kBufferGuard, 0xFF, body);
+    // The slack on either side of the data, within its pages (never a sparse buffer's body).
+    std::memset(s.map + kBufferGuard, 0xFF, static_cast<size_t>(s.data - s.map - kBufferGuard));
+    std::memset(s.data + b.size, 0xFF, body - b.size - (s.data - s.map - kBufferGuard));
     s.size = b.size;
     s.name = b.name ? b.name : "";
     s.bound = true;
+    if (b.host_offset + b.host_size > b.size) {
+      record_error(kErrOther, format("buffer %d: host bytes past the buffer's end", b.index));
+      free_buffers();
+      return g_error_kind;
+    }
     if (b.poison) {
       std::memset(s.data, 0xFF, b.size);
-    } else if (b.size) {
-      std::memcpy(s.data, b.host, b.size);
+    } else if (b.host_size) {
+      std::memcpy(s.data + b.host_offset, b.host, b.host_size);
     }
   }
 
@@ -1044,7 +1054,7 @@ MTL_EMU_EXPORT int mtl_emu_launch(const char* kernel, const MtlEmuBuffer* bufs, 
 
   for (int i = 0; i < nbufs; ++i) {
     const MtlEmuBuffer& b = bufs[i];
-    if (b.size) std::memcpy(b.host, g_buffers[b.index].data, b.size);
+    if (b.host_size) std::memcpy(b.host, g_buffers[b.index].data + b.host_offset, b.host_size);
   }
   free_buffers();
   return g_error_kind;
