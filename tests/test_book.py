@@ -320,14 +320,22 @@ def test_chapters_show_each_tasks_stub_and_fold_its_solution(built_book):
             assert not shown, f"{task.id}: {shown} show its solution's line {line!r}"
 
 
+def cited_results() -> set[Path]:
+    """The result JSON of every table the book includes and every {{#result}} it reads."""
+    cited = {path.with_suffix(".json") for _, _, path, _ in includes()
+             if is_result(path) and path.suffix == ".md" and path.exists()}
+    for chapter in chapter_files():
+        for directive in RESULT_DIRECTIVE.findall(chapter.read_text()):
+            cited.add(RESULTS / f"{directive.split()[1]}.json")
+    return cited
+
+
 def test_included_results_come_from_a_clean_commit_and_three_rounds():
     import json
 
     problems = []
-    for _, _, path, _ in includes():
-        if not (is_result(path) and path.suffix == ".md" and path.exists()):
-            continue
-        result = json.loads(path.with_suffix(".json").read_text())
+    for path in sorted(cited_results()):
+        result = json.loads(path.read_text())
         env, name = result["environment"], result["name"]
         if env.get("git_dirty"):
             problems.append(f"{name}: measured on a modified tree ({env.get('git_commit')})")
@@ -354,3 +362,73 @@ def test_a_listing_with_part_of_a_task_fails_the_build():
                  "> # END TASK\n> ```"):
         with pytest.raises(book_tasks.PartialTask, match="ch.md"):
             book_tasks.fold_tasks(part, course, "ch.md")
+
+
+# ---------------------------------------------------------------------------------------
+# Measured numbers come from results
+
+# A measurement in prose: a number (or a range) with a unit of time, rate, size or ratio
+# (a × before another number is a product of sizes: "1,024 × 1,024").
+MEASUREMENT = re.compile(
+    r"(?<![\w.$^])\d[\d,]*(?:\.\d+)?(?:\s*[–-]\s*\d[\d,]*(?:\.\d+)?)?\s?"
+    r"(?:ms|µs|us|ns|s|seconds?|minutes?|tok/s|tokens/s|[GMK]i?B/s|[GMK]i?B|×(?!\s?\d)|x|%)"
+    r"(?![\w/])")
+RESULT_DIRECTIVE = re.compile(r"\{\{#result\s[^}]*\}\}")
+INLINE_CODE = re.compile(r"`[^`]*`")
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+# Not measurements: sizes and counts that follow from a model's shape, a format or the
+# hardware's specification, which no benchmark needs to measure.
+CONSTANTS: set[str] = set()
+# Chapters whose prose still quotes measurements by hand (being moved onto directives).
+NOT_YET_READ_FROM_RESULTS = {"architecture.md", "model.md", "moe.md", "performance.md",
+                             "serving.md", "setup.md", "speculative.md", "week3-day3.md",
+                             "week3-day4.md", "week3-day5.md"}
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of a chapter's prose: no code blocks, tables, inline code,
+    directives or link targets."""
+    lines, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if fence:
+            fence = None if stripped.startswith(fence) else fence
+            continue
+        if m := re.match(r"(```+|~~~+)", stripped):
+            fence = m[1]
+            continue
+        if stripped.startswith("|"):
+            continue
+        for pattern in (RESULT_DIRECTIVE, INLINE_CODE, LINK_TARGET):
+            line = pattern.sub(" ", line)
+        lines.append((number, line))
+    return lines
+
+
+def hand_typed_measurements(path: Path) -> list[str]:
+    return [f"{path.name}:{n}: {m[0]!r}" for n, line in prose_lines(path.read_text())
+            for m in MEASUREMENT.finditer(line) if m[0] not in CONSTANTS]
+
+
+def test_prose_reads_every_measured_number_from_a_result():
+    """A number with a unit in prose is a {{#result}} directive (tools/book_results.py),
+    read from the result its table shows, or a constant listed above."""
+    found = [hit for path in chapter_files() if path.name not in NOT_YET_READ_FROM_RESULTS
+             for hit in hand_typed_measurements(path)]
+    assert not found, "typed by hand:\n" + "\n".join(found)
+
+
+def test_a_result_directive_reads_its_table_and_fails_closed():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_results
+
+    cache = {"r": {"environment": {"git_commit": "abc1234"}, "tables": [
+        {"title": "t", "headers": ["policy", "n", "tok/s"],
+         "rows": [["static", 1, 10.0], ["continuous", 2, 25.0], ["paged", 3, None]]}]}}
+    text = ('{{#result r 1 tok/s policy=static :.1f}} and {{#result r 1 tok/s range :.0f}}, '
+            '{{#result r 1 "tok/s" "policy!=static" 1/x max :.2f}} at {{#result r env git_commit}}')
+    assert book_results.substitute(text, "ch.md", cache) == "10.0 and 10–25, 0.04 at abc1234"
+    for bad in ("r 1 tok/s", "r 2 tok/s policy=static", "r 1 speed policy=static",
+                "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n"):
+        with pytest.raises(book_results.ResultError, match=re.escape("ch.md: {{#result " + bad)):
+            book_results.substitute("{{#result " + bad + "}}", "ch.md", cache)

@@ -96,6 +96,7 @@ class Block:
     token_ids: tuple[int, ...] | None = None
 
 
+# ANCHOR: page_hash
 def page_hash(parent: bytes | None, page_tokens: tuple[int, ...]) -> bytes:
     """Chained digest of a full page: it names the page's tokens *and* everything before
     them. SHA-256, so prefixes cannot be made to collide on purpose (Python's ``hash`` of
@@ -103,6 +104,7 @@ def page_hash(parent: bytes | None, page_tokens: tuple[int, ...]) -> bytes:
     digest = hashlib.sha256(parent or b"")
     digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in page_tokens))
     return digest.digest()
+# ANCHOR_END: page_hash
 
 
 # ANCHOR: block_manager

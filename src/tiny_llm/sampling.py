@@ -6,10 +6,11 @@ What happens to one row of logits:
 2. ``temperature < 1e-5`` (0 included) is greedy: argmax, lowest token id on ties. All
    greedy rows of a batch share one vectorised MLX argmax and consume no randomness.
 3. Otherwise the row is divided by the temperature (still float32: the "scaled logits") and
-   filtered in vLLM's order: top-k (keep the k highest), then top-p on the renormalised
+   filtered in vLLM V0's order: top-k (keep the k highest), then top-p on the renormalised
    probabilities of the top-k survivors (keep the shortest rank prefix whose mass reaches
    top_p), then min-p (keep tokens whose probability is at least ``min_p`` times the top
-   token's; a ratio, so renormalisation does not matter to it).
+   token's; a ratio, so renormalisation does not matter to it). vLLM V1 applies min-p first,
+   and its top-p then renormalises over min-p's survivors: a different set can survive.
 4. One uniform draw from the request's own ``np.random.Generator`` picks a token by inverse CDF
    over the kept tokens, walked in ascending token-id order.
 

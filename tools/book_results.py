@@ -1,0 +1,158 @@
+"""The book's preprocessor for measured numbers: prose reads each one from the benchmark
+result its table comes from.
+
+A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *100] [AGG] [:FORMAT]}}``:
+
+- ``FILE``: a result under ``benchmark_results/`` without ``.json`` (``bench_week3_day4``);
+- ``TABLE``: its position in the result, as in the ``tableN`` anchor that includes it;
+- ``COLUMN``: a header of that table, quoted when it has spaces;
+- ``WHERE``: ``"header=value"`` or ``"header!=value"`` filters on the rows (a number
+  matches numerically);
+- ``1/x`` or ``*100``: a transform of each value (a speedup from a time ratio, a percent);
+- ``AGG``: ``min``, ``max``, ``median``, or ``range`` (written ``low–high``) over the rows
+  that pass the filters; without one, exactly one row must pass;
+- ``:FORMAT``: a Python format spec (``:.1f``), ``:.3g`` if none.
+
+``{{#result FILE env KEY}}`` reads the result's environment (``git_commit``, ``date``...).
+Anything that does not resolve (a missing file, table, column or row, an empty cell, two
+rows where one is expected) fails the build with the chapter and the directive, so prose
+cannot drift from its table silently: rerun the benchmark and the sentence follows.
+
+Standard library only, so any Python 3 runs it.
+
+    python3 tools/book_results.py supports html     # mdBook's question: exit 0
+    mdbook build book                               # runs it as configured in book.toml
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from book_tasks import chapters  # the same walk over mdBook's book JSON
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results"
+DIRECTIVE = re.compile(r"\{\{#result\s+(?P<args>[^}]*)\}\}")
+TRANSFORMS: dict[str, Callable[[float], float]] = {"1/x": lambda v: 1 / v,
+                                                   "*100": lambda v: v * 100}
+AGGREGATES: dict[str, Callable[[list[float]], float]] = {
+    "min": min, "max": max, "median": statistics.median}
+
+
+class ResultError(ValueError):
+    """A directive that does not resolve to a value."""
+
+
+def load(name: str, cache: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if name not in cache:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            raise ResultError(f"no result {path.name} in benchmark_results/")
+        cache[name] = json.loads(path.read_text())
+    return cache[name]
+
+
+def find_table(result: dict[str, Any], table: str) -> dict[str, Any]:
+    tables = result["tables"]
+    if not table.isdigit() or not 1 <= int(table) <= len(tables):
+        raise ResultError(f"no table {table}: it has tables 1 to {len(tables)}")
+    return tables[int(table) - 1]
+
+
+def column(table: dict[str, Any], header: str) -> int:
+    if header not in table["headers"]:
+        raise ResultError(f"no column {header!r} (its columns: {table['headers']})")
+    return table["headers"].index(header)
+
+
+def matches(cell: Any, value: str) -> bool:
+    if isinstance(cell, (int, float)) and not isinstance(cell, bool):
+        try:
+            return float(cell) == float(value)
+        except ValueError:
+            return False
+    return str(cell) == value
+
+
+def values(table: dict[str, Any], header: str, where: list[str]) -> list[Any]:
+    """The column's cells in the rows that pass every ``header=value`` (or ``!=``) filter."""
+    rows = table["rows"]
+    for condition in where:
+        name, _, value = condition.partition("=")
+        negated = name.endswith("!")
+        i = column(table, name.removesuffix("!"))
+        rows = [r for r in rows if matches(r[i], value) != negated]
+    if not rows:
+        raise ResultError(f"no row where {' and '.join(where)}")
+    i = column(table, header)
+    return [r[i] for r in rows]
+
+
+def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
+    """The text a directive's arguments stand for."""
+    words = shlex.split(args)
+    if len(words) < 3:
+        raise ResultError("needs FILE TABLE COLUMN (or FILE env KEY)")
+    name, table_id, header, *rest = words
+    result = load(name, cache)
+    if table_id == "env":
+        if header not in result["environment"]:
+            raise ResultError(f"no environment key {header!r}")
+        return str(result["environment"][header])
+    spec = rest.pop() if rest and rest[-1].startswith(":") else ":.3g"
+    aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range") else None
+    transform = rest.pop() if rest and rest[-1] in TRANSFORMS else None
+    if any("=" not in w for w in rest):
+        raise ResultError(f"not a filter, transform, aggregate or format: {rest}")
+    cells = values(find_table(result, table_id), header, rest)
+    if aggregate is None and len(cells) != 1:
+        raise ResultError(f"{len(cells)} rows pass the filters; add filters or an aggregate")
+    if aggregate is None and isinstance(cells[0], str):
+        return cells[0]  # a label ("yes", "16/16")
+    numbers = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    if not numbers:
+        raise ResultError(f"no number in the selected cells {cells}")
+    if transform:
+        numbers = [TRANSFORMS[transform](v) for v in numbers]
+    if aggregate == "range":
+        return f"{min(numbers):{spec[1:]}}–{max(numbers):{spec[1:]}}"
+    value = AGGREGATES[aggregate](numbers) if aggregate else numbers[0]
+    return f"{value:{spec[1:]}}"
+
+
+def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> str:
+    """``content`` with every directive replaced by its value."""
+
+    def value(m: re.Match[str]) -> str:
+        try:
+            return resolve(m["args"], cache)
+        except ResultError as e:
+            raise ResultError(f"{where}: {m[0]}: {e}") from None
+
+    return DIRECTIVE.sub(value, content)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "supports":
+        return 0  # plain Markdown: every renderer
+    _, book = json.load(sys.stdin)
+    cache: dict[str, dict[str, Any]] = {}
+    for chapter in chapters(book.get("items", book.get("sections", []))):
+        where = chapter.get("path") or chapter["name"]
+        try:
+            chapter["content"] = substitute(chapter["content"], where, cache)
+        except ResultError as e:
+            print(f"book_results: {e}", file=sys.stderr)
+            return 1
+    json.dump(book, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
