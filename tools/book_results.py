@@ -1,14 +1,15 @@
 """The book's preprocessor for measured numbers: prose reads each one from the benchmark
 result its table comes from.
 
-A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *100] [AGG] [:FORMAT]}}``:
+A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *N | /N] [AGG] [:FORMAT]}}``:
 
 - ``FILE``: a result under ``benchmark_results/`` without ``.json`` (``bench_week3_day4``);
 - ``TABLE``: its position in the result, as in the ``tableN`` anchor that includes it;
 - ``COLUMN``: a header of that table, quoted when it has spaces;
 - ``WHERE``: ``"header=value"`` or ``"header!=value"`` filters on the rows (a number
   matches numerically);
-- ``1/x`` or ``*100``: a transform of each value (a speedup from a time ratio, a percent);
+- ``1/x``, ``*N`` or ``/N``: a transform of each value (a speedup from a time ratio, a
+  percent with ``*100``, seconds from microseconds with ``/1e6``);
 - ``AGG``: ``min``, ``max``, ``median``, or ``range`` (written ``low–high``) over the rows
   that pass the filters; without one, exactly one row must pass;
 - ``:FORMAT``: a Python format spec (``:.1f``), ``:.3g`` if none.
@@ -39,8 +40,7 @@ from book_tasks import chapters  # the same walk over mdBook's book JSON
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results"
 DIRECTIVE = re.compile(r"\{\{#result\s+(?P<args>[^}]*)\}\}")
-TRANSFORMS: dict[str, Callable[[float], float]] = {"1/x": lambda v: 1 / v,
-                                                   "*100": lambda v: v * 100}
+TRANSFORM = re.compile(r"^(1/x|[*/][0-9.]+(?:e[0-9]+)?)$")  # 1/x, *100, /1e6
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
     "min": min, "max": max, "median": statistics.median}
 
@@ -107,7 +107,7 @@ def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
         return str(result["environment"][header])
     spec = rest.pop() if rest and rest[-1].startswith(":") else ":.3g"
     aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range") else None
-    transform = rest.pop() if rest and rest[-1] in TRANSFORMS else None
+    transform = rest.pop() if rest and TRANSFORM.match(rest[-1]) else None
     if any("=" not in w for w in rest):
         raise ResultError(f"not a filter, transform, aggregate or format: {rest}")
     cells = values(find_table(result, table_id), header, rest)
@@ -119,11 +119,18 @@ def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
     if not numbers:
         raise ResultError(f"no number in the selected cells {cells}")
     if transform:
-        numbers = [TRANSFORMS[transform](v) for v in numbers]
+        numbers = [apply(transform, v) for v in numbers]
     if aggregate == "range":
         return f"{min(numbers):{spec[1:]}}–{max(numbers):{spec[1:]}}"
     value = AGGREGATES[aggregate](numbers) if aggregate else numbers[0]
     return f"{value:{spec[1:]}}"
+
+
+def apply(transform: str, value: float) -> float:
+    if transform == "1/x":
+        return 1 / value
+    factor = float(transform[1:])
+    return value * factor if transform[0] == "*" else value / factor
 
 
 def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> str:
