@@ -5,9 +5,10 @@ A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *N | /N] [AGG]
 
 - ``FILE``: a result under ``benchmark_results/`` without ``.json`` (``bench_week3_day4``);
 - ``TABLE``: its position in the result, as in the ``tableN`` anchor that includes it;
-- ``COLUMN``: a header of that table, quoted when it has spaces;
-- ``WHERE``: ``"header=value"`` or ``"header!=value"`` filters on the rows (a number
-  matches numerically);
+- ``COLUMN``: a header of that table, quoted when it has spaces (``"× off#2"``: the second
+  column of that name);
+- ``WHERE``: filters on the rows, ``"header=value"``, or with ``!=``, ``<``, ``>``, ``<=``,
+  ``>=`` (a number compares numerically);
 - ``1/x``, ``*N`` or ``/N``: a transform of each value (a speedup from a time ratio, a
   percent with ``*100``, seconds from microseconds with ``/1e6``);
 - ``AGG``: ``min``, ``max``, ``median``, or ``range`` (written ``low–high``) over the rows
@@ -66,28 +67,41 @@ def find_table(result: dict[str, Any], table: str) -> dict[str, Any]:
 
 
 def column(table: dict[str, Any], header: str) -> int:
-    if header not in table["headers"]:
+    """The column named ``header``; ``header#2`` is the second column of that name."""
+    name, _, nth = header.rpartition("#") if "#" in header else (header, "", "1")
+    found = [i for i, h in enumerate(table["headers"]) if h == name]
+    if not nth.isdigit() or len(found) < int(nth):
         raise ResultError(f"no column {header!r} (its columns: {table['headers']})")
-    return table["headers"].index(header)
+    return found[int(nth) - 1]
 
 
-def matches(cell: Any, value: str) -> bool:
+FILTER = re.compile(r"^(?P<name>.+?)(?P<op>!=|>=|<=|=|<|>)(?P<value>.*)$")
+COMPARE = {"=": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+           ">": lambda a, b: a > b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
+
+
+def passes(cell: Any, op: str, value: str) -> bool:
+    """``cell op value``: numerically for a number, else as text (= and != only)."""
     if isinstance(cell, (int, float)) and not isinstance(cell, bool):
         try:
-            return float(cell) == float(value)
+            return COMPARE[op](float(cell), float(value))
         except ValueError:
-            return False
-    return str(cell) == value
+            return op == "!="
+    if op not in ("=", "!="):
+        raise ResultError(f"{cell!r} is not a number to compare with {op}")
+    return COMPARE[op](str(cell), value)
 
 
 def values(table: dict[str, Any], header: str, where: list[str]) -> list[Any]:
-    """The column's cells in the rows that pass every ``header=value`` (or ``!=``) filter."""
+    """The column's cells in the rows that pass every filter (``header=value``, or with
+    ``!=``, ``<``, ``>``, ``<=``, ``>=``)."""
     rows = table["rows"]
     for condition in where:
-        name, _, value = condition.partition("=")
-        negated = name.endswith("!")
-        i = column(table, name.removesuffix("!"))
-        rows = [r for r in rows if matches(r[i], value) != negated]
+        m = FILTER.match(condition)
+        if m is None:
+            raise ResultError(f"not a filter: {condition!r}")
+        i = column(table, m["name"])
+        rows = [r for r in rows if passes(r[i], m["op"], m["value"])]
     if not rows:
         raise ResultError(f"no row where {' and '.join(where)}")
     i = column(table, header)
@@ -108,7 +122,7 @@ def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
     spec = rest.pop() if rest and rest[-1].startswith(":") else ":.3g"
     aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range") else None
     transform = rest.pop() if rest and TRANSFORM.match(rest[-1]) else None
-    if any("=" not in w for w in rest):
+    if not all(FILTER.match(w) for w in rest):
         raise ResultError(f"not a filter, transform, aggregate or format: {rest}")
     cells = values(find_table(result, table_id), header, rest)
     if aggregate is None and len(cells) != 1:

@@ -166,9 +166,10 @@ def expert_bounds(sorted_ids: mx.array) -> list[tuple[int, int, int]]:
 
 # ANCHOR: dispatch_choice
 # On the CPU, a loop of per-expert GEMMs beats MLX's gathered matmul once experts get a few
-# rows each (prefill chunks); at one row per expert or fewer (decode) the gathered matmul
-# wins (benches/bench_week3_moe.py, table 2). On a GPU the gathered matmul is the fast path.
-LOOP_MIN_ROWS_PER_EXPERT = 2
+# rows each (prefill chunks); at one or two rows per expert (decode) the gathered matmul
+# wins. Tuned to the crossover of benches/bench_week3_moe.py's table 2. On a GPU the
+# gathered matmul is the fast path.
+LOOP_MIN_ROWS_PER_EXPERT = 3
 
 
 def use_loop(mode: str, assignments: int, num_experts: int) -> bool:
