@@ -77,3 +77,34 @@ def test_where_the_gpu_decides_benchmarks_run_once_and_say_what_ran(gpu_decision
     assert ("timed on the CPU" in words) if rehearsal else words.startswith("on the GPU (")
     # An older result, recorded before the device was: the CPU, as it was measured on.
     assert common._device_words({"openblas_interposed": True}).startswith("on the CPU")
+
+
+def edition(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benches" / "edition.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_edition_has_a_script_for_every_result_the_book_cites():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_results
+
+    listed = edition("--list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == book_results.cited_results()
+    assert len(listed.stdout.split()) >= 10
+    for name in listed.stdout.split():
+        assert (ROOT / "benches" / f"{name}.py").is_file(), name
+
+
+def test_the_edition_refuses_what_the_book_would_refuse():
+    assert "at least 3 rounds" in edition("--rounds", "2").stderr
+    refused = edition("--only", "bench_nothing", "--list")
+    assert refused.returncode != 0 and "bench_nothing" in refused.stderr
+
+
+def test_the_edition_describes_the_machines_cpu():
+    sys.path.insert(0, str(ROOT / "benches"))
+    import edition as script
+
+    model, isa = script.cpu_words()
+    assert model and isa

@@ -320,21 +320,24 @@ def test_chapters_show_each_tasks_stub_and_fold_its_solution(built_book):
             assert not shown, f"{task.id}: {shown} show its solution's line {line!r}"
 
 
-def cited_results() -> set[Path]:
+def cited_results() -> list[Path]:
     """The result JSON of every table the book includes and every {{#result}} it reads."""
-    cited = {path.with_suffix(".json") for _, _, path, _ in includes()
-             if is_result(path) and path.suffix == ".md" and path.exists()}
-    for chapter in chapter_files():
-        for directive in RESULT_DIRECTIVE.findall(chapter.read_text()):
-            cited.add(RESULTS / f"{directive.split()[1]}.json")
-    return cited
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_results
+
+    return [RESULTS / f"{name}.json" for name in book_results.cited_results()]
+
+
+def test_every_included_result_table_is_a_cited_result():
+    tables = {path.stem for _, _, path, _ in includes() if is_result(path) and path.suffix == ".md"}
+    assert tables <= {path.stem for path in cited_results()}
 
 
 def test_included_results_come_from_a_clean_commit_and_three_rounds():
     import json
 
     problems = []
-    for path in sorted(cited_results()):
+    for path in cited_results():
         result = json.loads(path.read_text())
         env, name = result["environment"], result["name"]
         if env.get("git_dirty"):
@@ -433,7 +436,8 @@ def test_a_result_directive_reads_its_table_and_fails_closed():
         {"title": "t", "headers": ["policy", "n", "tok/s"],
          "rows": [["static", 1, 10.0], ["continuous", 2, 25.0], ["paged", 3, None]]}]}}
     text = ('{{#result r 1 tok/s policy=static :.1f}} and {{#result r 1 tok/s range :.0f}}, '
-            '{{#result r 1 "tok/s" "policy!=static" "n<3" 1/x max :.2f}} at {{#result r env git_commit}}')
+            '{{#result r 1 "tok/s" "policy!=static" "n<3" 1/x max :.2f}} at '
+            '{{#result r env git_commit}}')
     assert book_results.substitute(text, "ch.md", cache) == "10.0 and 10–25, 0.04 at abc1234"
     for bad in ("r 1 tok/s", "r 2 tok/s policy=static", "r 1 speed policy=static",
                 "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n"):

@@ -40,6 +40,8 @@ from typing import Any
 from book_tasks import chapters  # the same walk over mdBook's book JSON
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results"
+BOOK_SRC = Path(__file__).resolve().parents[1] / "book" / "src"
+INCLUDED_TABLE = re.compile(r"\{\{#include\s+[./]*benchmark_results/(\w+)\.md")
 DIRECTIVE = re.compile(r"\{\{#result\s+(?P<args>[^}]*)\}\}")
 TRANSFORM = re.compile(r"^(1/x|[*/][0-9.]+(?:e[0-9]+)?)$")  # 1/x, *100, /1e6
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
@@ -157,6 +159,17 @@ def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> st
             raise ResultError(f"{where}: {m[0]}: {e}") from None
 
     return DIRECTIVE.sub(value, content)
+
+
+def cited_results(src: Path = BOOK_SRC) -> list[str]:
+    """The results the book shows: the tables its chapters include and the files their
+    directives read (``benches/<name>.py`` writes each)."""
+    names: set[str] = set()
+    for chapter in src.glob("*.md"):
+        text = chapter.read_text(encoding="utf-8")
+        names |= set(INCLUDED_TABLE.findall(text))
+        names |= {shlex.split(m["args"])[0] for m in DIRECTIVE.finditer(text)}
+    return sorted(names)
 
 
 def main() -> int:

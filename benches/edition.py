@@ -1,0 +1,123 @@
+"""One edition of the book's measurements: every result the book shows, measured again at
+one clean commit on one machine, and that machine described once.
+
+The book cites results by name (the tables its chapters include and the files its
+``{{#result}}`` directives read: ``tools/book_results.py``); ``benches/<name>.py`` writes
+each. This script refuses a modified tree, describes the machine (CPU model, the vector
+and matrix instructions the kernels can use, cores, memory, copy bandwidth), runs every
+cited script one after the other with ``--rounds`` (3 by default), and writes
+``benchmark_results/edition.{json,md}``: the machine, and each script's time and outcome.
+The performance appendix opens with that table, and the book's test requires every cited
+result to come from the edition's commit. Commit the results, then rebuild the book: the
+tables and the sentences that read them follow.
+
+``bench_vs_llama_cpp`` needs llama.cpp's ``llama-bench`` (``--llama-bench PATH``, see that
+script); without it, its result stays from its own machine and commit, and the edition's
+table says so.
+
+    python benches/edition.py --list          # the scripts it would run, in order
+    python benches/edition.py                 # all of them (hours on a 2-core CPU)
+    python benches/edition.py --only bench_week3_day1 bench_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, Table, copy_bandwidth, environment, save_results
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from book_results import cited_results  # noqa: E402
+
+NEEDS_LLAMA_BENCH = "bench_vs_llama_cpp"
+# Linux /proc/cpuinfo flags (x86 "flags", Arm "Features") that decide which kernels run.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
+
+
+def cpu_words() -> tuple[str, str]:
+    """(CPU model, the instruction-set extensions of ISA_FLAGS it has)."""
+    if sys.platform == "darwin":
+        brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                               capture_output=True, text=True).stdout.strip()
+        return brand or platform.processor(), "arm64 (NEON, dot product)"
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model") and model in ("", platform.machine()):
+            model = value.strip()
+        if key.strip() in ("flags", "Features"):
+            flags |= set(value.split())
+    return model, " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + ", ".join(ISA_FLAGS)
+
+
+def machine_table() -> Table:
+    model, isa = cpu_words()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    rows = [["CPU", model], ["instructions the kernels can use", isa],
+            ["cores", os.cpu_count()], ["memory (GiB)", f"{memory:.0f}"],
+            ["copy bandwidth (GB/s, numpy, 256 MiB)", f"{copy_bandwidth() / 1e9:.1f}"],
+            ["system", platform.platform()]]
+    return Table("The edition's machine", ["", "value"], rows)
+
+
+def tree_is_clean() -> bool:
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                             ":!benchmark_results"], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    return status == ""
+
+
+def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]:
+    """Run ``benches/<name>.py``; (name, seconds, outcome) for the edition's table."""
+    command = [sys.executable, str(REPO_ROOT / "benches" / f"{name}.py"), "--rounds", str(rounds)]
+    if name == NEEDS_LLAMA_BENCH:
+        if llama_bench is None:
+            return [name, None, "not run (no --llama-bench): its own machine and commit"]
+        command += ["--llama-bench", str(llama_bench)]
+    print(f"edition: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO_ROOT)
+    seconds = time.perf_counter() - start
+    return [name, seconds, "measured" if done.returncode == 0 else f"failed ({done.returncode})"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every script (>= 3)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="a subset of the cited results")
+    ap.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, for its table")
+    ap.add_argument("--list", action="store_true", help="print the scripts, run nothing")
+    args = ap.parse_args()
+    names = cited_results()
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"not results the book cites: {unknown}; it cites {names}")
+        names = [n for n in names if n in args.only]
+    if args.list:
+        print("\n".join(names))
+        return
+    if args.rounds < 3:
+        raise SystemExit("an edition needs at least 3 rounds (the book's test refuses fewer)")
+    if not tree_is_clean() or environment()["git_dirty"]:
+        raise SystemExit("the tree has changes: commit or stash them, an edition is one commit")
+    machine = machine_table()
+    runs = [run_script(name, args.rounds, args.llama_bench) for name in names]
+    scripts = Table("The edition's scripts, one after the other",
+                    ["result", "seconds", "outcome"], runs, formats=["", ".0f", ""])
+    save_results("edition", {"results": names}, [machine, scripts], rounds=args.rounds)
+    failed = [r[0] for r in runs if str(r[2]).startswith("failed")]
+    if failed:
+        raise SystemExit(f"failed: {failed}")
+
+
+if __name__ == "__main__":
+    main()
