@@ -191,7 +191,6 @@ mx::cpu::CommandEncoder& begin_cpu_eval(const mx::Stream& stream,
   return enc;
 }
 
-
 }  // namespace
 
 // ANCHOR: cpu_linear_eval
@@ -402,6 +401,42 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                    {q, k_pages, v_pages, block_table, context_lens, query_start_loc});
 }
 
+std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
+                                                const mx::array& v_pages,
+                                                const mx::array& k_new, const mx::array& v_new,
+                                                const mx::array& slot_mapping,
+                                                bool gpu_rehearsal, mx::StreamOrDevice s) {
+  check(k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape(),
+        "pages must be [P, page_size, Hkv, D]");
+  check(k_new.ndim() == 3 && v_new.shape() == k_new.shape() &&
+            k_new.shape(1) == k_pages.shape(2) && k_new.shape(2) == k_pages.shape(3),
+        "new rows must be [T, Hkv, D] matching the pages");
+  check(k_new.dtype() == k_pages.dtype() && v_new.dtype() == v_pages.dtype() &&
+            v_pages.dtype() == k_pages.dtype(),
+        "pools and new rows must share one dtype");
+  check(slot_mapping.dtype() == mx::int32 && slot_mapping.ndim() == 1 &&
+            slot_mapping.shape(0) == k_new.shape(0),
+        "slot_mapping must be int32 [T]");
+  auto stream = mx::to_stream(s);
+  if (stream.device == mx::Device::gpu || gpu_rehearsal) {
+    // MLX's scatter donates the pool's buffer when nothing else holds it: O(new rows).
+    const auto shape = k_pages.shape();
+    const int rows = shape[0] * shape[1];
+    auto write = [&](const mx::array& pages, const mx::array& rows_new) {
+      auto flat = mx::reshape(pages, {rows, shape[2], shape[3]}, stream);
+      auto upd = mx::expand_dims(rows_new, 1, stream);
+      return mx::reshape(mx::scatter(flat, slot_mapping, upd, 0, stream), shape, stream);
+    };
+    return {write(k_pages, k_new), write(v_pages, v_new)};
+  }
+  auto write = [&](const mx::array& pages, const mx::array& rows_new) {
+    return mx::array(pages.shape(), pages.dtype(), std::make_shared<PagedKVWrite>(stream),
+                     {pages, rows_new, slot_mapping});
+  };
+  return {write(k_pages, k_new), write(v_pages, v_new)};
+}
+// ANCHOR_END: op_entry
+
 std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,
                               bool blas, mx::StreamOrDevice s) {
   check(!weights.empty(), "linear needs one or more weights");
@@ -496,42 +531,6 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
   check(stream.device == mx::Device::cpu, "rms_norm runs on CPU streams only");
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
-
-std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,
-                                                const mx::array& v_pages,
-                                                const mx::array& k_new, const mx::array& v_new,
-                                                const mx::array& slot_mapping,
-                                                bool gpu_rehearsal, mx::StreamOrDevice s) {
-  check(k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape(),
-        "pages must be [P, page_size, Hkv, D]");
-  check(k_new.ndim() == 3 && v_new.shape() == k_new.shape() &&
-            k_new.shape(1) == k_pages.shape(2) && k_new.shape(2) == k_pages.shape(3),
-        "new rows must be [T, Hkv, D] matching the pages");
-  check(k_new.dtype() == k_pages.dtype() && v_new.dtype() == v_pages.dtype() &&
-            v_pages.dtype() == k_pages.dtype(),
-        "pools and new rows must share one dtype");
-  check(slot_mapping.dtype() == mx::int32 && slot_mapping.ndim() == 1 &&
-            slot_mapping.shape(0) == k_new.shape(0),
-        "slot_mapping must be int32 [T]");
-  auto stream = mx::to_stream(s);
-  if (stream.device == mx::Device::gpu || gpu_rehearsal) {
-    // MLX's scatter donates the pool's buffer when nothing else holds it: O(new rows).
-    const auto shape = k_pages.shape();
-    const int rows = shape[0] * shape[1];
-    auto write = [&](const mx::array& pages, const mx::array& rows_new) {
-      auto flat = mx::reshape(pages, {rows, shape[2], shape[3]}, stream);
-      auto upd = mx::expand_dims(rows_new, 1, stream);
-      return mx::reshape(mx::scatter(flat, slot_mapping, upd, 0, stream), shape, stream);
-    };
-    return {write(k_pages, k_new), write(v_pages, v_new)};
-  }
-  auto write = [&](const mx::array& pages, const mx::array& rows_new) {
-    return mx::array(pages.shape(), pages.dtype(), std::make_shared<PagedKVWrite>(stream),
-                     {pages, rows_new, slot_mapping});
-  };
-  return {write(k_pages, k_new), write(v_pages, v_new)};
-}
-// ANCHOR_END: op_entry
 
 namespace {
 

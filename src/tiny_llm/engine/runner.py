@@ -56,18 +56,6 @@ class ModelRunner:
         mx.eval(logits, self.attention.state())
         return batch, logits
 
-    def kernel_plan(self, batch: StepBatch) -> KernelPlan | None:
-        """How this step's forward takes the extension's CPU kernels (None: MLX's ops
-        alone). A decode-only step whose attention is one of the extension's kernels
-        (which attend over its pool) also runs its dense layers fused."""
-        k, attention = self.kernels, self.attention
-        if not (k.cpu_kernels and kernels_available()):  # the device may change: asked per step
-            return None
-        fused = None
-        if k.fused_layers and batch.decode_only and isinstance(attention, VectorKernelAttention):
-            fused = FusedDecode(attention.pool, batch.kv, attention.tiled)
-        return KernelPlan(batch.decode_rows, k.int8_activations, fused)
-
     def sample(self, logits: mx.array, batch: StepBatch,
                verify: Callable[[Request, mx.array], list[int]] | None = None
                ) -> list[list[int]]:
@@ -79,21 +67,47 @@ class ModelRunner:
             return []
         states = [(r.sampler.rng, r.sampler.rng.bit_generator.state) for r in requests]
         try:
-            rows = np.cumsum([0, *batch.num_logits])
-            plain = [i for i, n in enumerate(batch.num_logits) if n == 1]
-            tokens: list[list[int]] = [[] for _ in requests]
-            if plain:  # one row each: the sampler takes them together
-                picked = logits if len(plain) == len(requests) else logits[
-                    mx.array([int(rows[i]) for i in plain])]
-                drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain])
-                for i, token in zip(plain, drawn, strict=True):
-                    tokens[i] = [token]
-            for i, n in enumerate(batch.num_logits):
-                if n > 1:  # drafts to verify: k + 1 rows
-                    tokens[i] = verify(requests[i], logits[rows[i] : rows[i] + n])
-            return tokens
+            if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
+                drawn = sample_next_tokens(logits, [r.sampler for r in requests])
+                return [[token] for token in drawn]
+            return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
             for rng, state in states:
                 rng.bit_generator.state = state
             raise
 # ANCHOR_END: model_runner
+
+    # ANCHOR: runner_kernel_plan
+    def kernel_plan(self, batch: StepBatch) -> KernelPlan | None:
+        """How this step's forward takes the extension's CPU kernels (None: MLX's ops
+        alone). A decode-only step whose attention is one of the extension's kernels
+        (which attend over its pool) also runs its dense layers fused."""
+        k, attention = self.kernels, self.attention
+        if not (k.cpu_kernels and kernels_available()):  # the device may change: asked per step
+            return None
+        fused = None
+        if k.fused_layers and batch.decode_only and isinstance(attention, VectorKernelAttention):
+            fused = FusedDecode(attention.pool, batch.kv, attention.tiled)
+        return KernelPlan(batch.decode_rows, k.int8_activations, fused)
+    # ANCHOR_END: runner_kernel_plan
+
+    # ANCHOR: sample_with_drafts
+    def sample_with_drafts(self, logits: mx.array, batch: StepBatch,
+                           verify: Callable[[Request, mx.array], list[int]] | None
+                           ) -> list[list[int]]:
+        """A step where some requests verify drafts: the one-row requests sample together,
+        then each drafting request's ``k + 1`` rows go to ``verify``, in batch order."""
+        requests = batch.sampling
+        rows = np.cumsum([0, *batch.num_logits])
+        plain = [i for i, n in enumerate(batch.num_logits) if n == 1]
+        tokens: list[list[int]] = [[] for _ in requests]
+        if plain:
+            picked = logits[mx.array([int(rows[i]) for i in plain])]
+            drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain])
+            for i, token in zip(plain, drawn, strict=True):
+                tokens[i] = [token]
+        for i, n in enumerate(batch.num_logits):
+            if n > 1:
+                tokens[i] = verify(requests[i], logits[rows[i] : rows[i] + n])
+        return tokens
+    # ANCHOR_END: sample_with_drafts
