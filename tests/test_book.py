@@ -452,3 +452,16 @@ def test_chapters_with_tasks_keep_the_course_order():
         headings = [h for h in re.findall(r"(?m)^## .+$", path.read_text()) if h in order]
         if "## Your tasks" in headings:
             assert headings == order, f"{path.name}: {headings}"
+
+
+def test_figures_are_what_the_code_draws_today():
+    """The diagrams are computed from the engine's functions (tools/book_figures.py): a
+    committed one that differs from a fresh drawing has drifted from the code."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_figures
+
+    for name, draw in book_figures.FIGURES_BY_NAME.items():
+        committed = SRC / "figures" / name
+        assert committed.is_file(), f"{name}: run python tools/book_figures.py"
+        assert committed.read_text() == draw(), f"{name} differs: run python tools/book_figures.py"
+        assert any(f"figures/{name}" in p.read_text() for p in chapter_files()), f"{name}: unused"
