@@ -390,6 +390,8 @@ CONSTANTS = {
     "17 MB",  # SmolLM2-135M's quantized scales and biases: float16 instead of float32
     "17 GB", "29 GB",  # Qwen3-30B-A3B in 4 bits; Qwen1.5-MoE-A2.7B in float16
     "24 GB", "32 GB", "48 GB",  # memory of the machines those models fit, or do not
+    "16 GB", "6 GB",  # Day 3's exercise: a 16 GB Mac, 6 GB left to the system
+    "538 MB",  # SmolLM2-135M's weights in float32: 134.5 M parameters × 4 bytes
 }
 # Chapters whose prose still quotes measurements by hand (being moved onto directives).
 NOT_YET_READ_FROM_RESULTS = {"performance.md"}
