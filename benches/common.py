@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from tiny_llm.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+NOT_THIS_MACHINE = 3  # a script's exit status where it does not apply (use_cpu on a Mac)
 
 
 def results_dir() -> Path:
@@ -129,9 +130,10 @@ def use_cpu() -> None:
     import mlx.core as mx
 
     if not openblas_loaded():
-        raise SystemExit(f"{Path(sys.argv[0]).name} measures the Linux CPU path, MLX's matmuls "
-                         "through the OpenBLAS that make setup interposes, which this machine "
-                         "does not have")
+        print(f"{Path(sys.argv[0]).name} measures the Linux CPU path, MLX's matmuls through the "
+              "OpenBLAS that make setup interposes, which this machine does not have",
+              file=sys.stderr)
+        raise SystemExit(NOT_THIS_MACHINE)
     mx.set_default_device(mx.cpu)
     set_gpu_rehearsal(False)
 

@@ -13,7 +13,9 @@ tables and the sentences that read them follow.
 
 ``bench_vs_llama_cpp`` needs llama.cpp's ``llama-bench`` (``--llama-bench PATH``, see that
 script); without it, its result stays from its own machine and commit, and the edition's
-table says so.
+table says so. On a Mac the scripts of the Linux CPU path (OpenBLAS, the CPU kernels) stop
+at once, and their results likewise stay those of the edition they came from; every other
+script measures the GPU.
 
     python benches/edition.py --list          # the scripts it would run, in order
     python benches/edition.py                 # all of them (hours on a 2-core CPU)
@@ -30,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, Table, copy_bandwidth, environment, save_results
+from common import NOT_THIS_MACHINE, REPO_ROOT, Table, copy_bandwidth, environment, save_results
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 from book_results import cited_results  # noqa: E402
@@ -86,6 +88,8 @@ def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO_ROOT)
     seconds = time.perf_counter() - start
+    if done.returncode == NOT_THIS_MACHINE:
+        return [name, seconds, "not this machine's (the Linux CPU path): its own edition"]
     return [name, seconds, "measured" if done.returncode == 0 else f"failed ({done.returncode})"]
 
 
