@@ -14,6 +14,7 @@ import json
 import logging
 import logging.handlers
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
@@ -35,6 +37,7 @@ import openai
 import pytest
 import uvicorn
 
+ROOT = Path(__file__).resolve().parent.parent
 NUM_PAGES = 256
 MODEL = "tiny"
 
@@ -430,6 +433,81 @@ def test_fields_as_openai_reads_them(served, client):
                                                    "max_tokens": 1})
     error = json.loads(text)["error"]
     assert status == 400 and error["code"] == "context_length_exceeded", error
+    settled(server)
+
+
+def asking(name: str, chat: bool) -> object:
+    """A value of ``name`` that asks for something this server does not do."""
+    special = {"response_format": {"type": "json_object"}, "logprobs": True if chat else 2,
+               "tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": "required", "parallel_tool_calls": "yes",
+               "functions": [{"name": "f"}], "function_call": {"name": "f"},
+               "logit_bias": {"42": 5}, "metadata": {"k": "v"}, "modalities": ["audio"],
+               "service_tier": "flex", "prediction": {"type": "content", "content": "x"},
+               "audio": {"voice": "alloy"}, "reasoning_effort": "high",
+               "web_search_options": {}, "echo": True, "suffix": "end", "store": True}
+    return special.get(name, 2)
+
+
+def test_every_field_is_honoured_or_refused_never_ignored(served, client):
+    from tiny_llm import server as api
+
+    url, server = served
+    for chat in (True, False):
+        path = f"{url}/v1/{'chat/completions' if chat else 'completions'}"
+        base = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+                else {"prompt": "hi"}) | {"max_tokens": 1}
+        neutral = api.NEUTRAL | (api.NEUTRAL_CHAT if chat else api.NEUTRAL_COMPLETIONS)
+        for name, values in neutral.items():
+            status, text = http(path, base | {name: asking(name, chat)})
+            error = json.loads(text)["error"]
+            assert status == 400 and error["param"] == name, (name, text)
+            assert "refused rather than ignored" in error["message"]
+            for value in values:  # what asks for nothing passes (clients send defaults)
+                status, text = http(path, base | {name: value})
+                assert status == 200, (name, value, text)
+        other = api.NEUTRAL_COMPLETIONS if chat else api.NEUTRAL_CHAT
+        for name in ["temperatures", *(set(other) - set(neutral))]:
+            status, text = http(path, base | {name: None})
+            assert status == 400 and json.loads(text)["error"]["param"] == name, (name, text)
+            assert "unknown field" in text
+    status, text = http(f"{url}/v1/completions", {"prompt": "hi", "stream": True,
+                                                   "stream_options": {"continuous_usage": 1}})
+    assert status == 400 and json.loads(text)["error"]["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model=MODEL, prompt="x", frequency_penalty=0.5)
+    settled(server)
+
+
+def test_the_serving_chapters_table_lists_every_field():
+    """The book's table of fields (serving.md) names exactly the server's sets."""
+    from tiny_llm import server as api
+
+    table = (ROOT / "book" / "src" / "serving.md").read_text().split("| field |")[1]
+    named = set(re.findall(r"`(\w+)`", table.split("\n\n")[0]))
+    fields = (set().union(*api.HONOURED.values()) | api.NO_EFFECT | set(api.NEUTRAL)
+              | set(api.NEUTRAL_CHAT) | set(api.NEUTRAL_COMPLETIONS))
+    assert named - {"include_usage"} == fields
+
+
+def test_vllm_sampling_extensions_are_honoured(served):
+    url, server = served
+    status, text = http(f"{url}/v1/completions", {
+        "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "user": "me"})
+    assert status == 200, text
+    tokens = served_alone(server.engine.model, server.engine.tokenizer,
+                          server.engine.tokenize("Hello"),
+                          SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert json.loads(text)["usage"]["completion_tokens"] == len(tokens) == 6
+    status, text = http(f"{url}/v1/completions", {
+        "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "stop_token_ids": [tokens[2]]})
+    got = json.loads(text)
+    assert status == 200 and got["choices"][0]["finish_reason"] == "stop", text
+    assert got["usage"]["completion_tokens"] == tokens.index(tokens[2]) + 1
     settled(server)
 
 

@@ -274,12 +274,71 @@ class ParsedRequest:
     include_usage: bool
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+# ANCHOR: request_fields
+# The request fields, as this server treats them: every one is honoured, accepted only in
+# a value that asks for nothing (the OpenAI client and others send such defaults), or
+# refused with a 400 naming it. No field is ignored while it asks for something.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                   "ignore_eos")  # top_k, min_p, stop_token_ids, ignore_eos: as in vLLM
+HONOURED = {
+    "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+             "messages", *SAMPLING_FIELDS},
+    "completions": {"model", "n", "max_tokens", "max_completion_tokens", "stream",
+                    "stream_options", "prompt", *SAMPLING_FIELDS},
+}
+NO_EFFECT = {"user"}  # an end user's id, for the caller's own bookkeeping
+# Not supported (yet), so accepted only in a value that asks for nothing.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_tokens": (None, 0),
+}
+NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "store": (None, False), "metadata": (None, {}),
+    "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
+    "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+}
+
+
+def asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the ``neutral`` ones (0 and 0.0 alike, not False)."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+            return a is b
+        return a == b and (isinstance(a, (int, float)) == isinstance(b, (int, float)))
+
+    return any(same(value, v) for v in neutral)
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse a field this endpoint does not know, or one that asks for what this server
+    does not do, naming it."""
+    endpoint = "chat" if chat else "completions"
+    neutral = NEUTRAL | (NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS)
+    for name, value in body.items():
+        if name in HONOURED[endpoint] or name in NO_EFFECT:
+            continue
+        if name not in neutral:
+            raise APIError(400, f"unknown field {name!r} for /v1/{endpoint}"
+                           f"{'/completions' if chat else ''}", param=name)
+        if not asks_nothing(value, neutral[name]):
+            raise APIError(400, f"{name} is not supported by this server, and is refused "
+                           "rather than ignored: leave it out", param=name,
+                           code="unsupported_field")
+# ANCHOR_END: request_fields
 
 
 def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_fields(body, chat)
     if body.get("model") not in (None, model_name):
         raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
                        f"{model_name!r}", param="model", code="model_not_found")
@@ -301,8 +360,9 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
     stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise APIError(400, "stream_options must be an object", param="stream_options")
+    if not isinstance(stream_options, dict) or not set(stream_options) <= {"include_usage"}:
+        raise APIError(400, "stream_options must be an object whose only field is "
+                       "include_usage", param="stream_options")
     return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")))
 
 
