@@ -7,7 +7,9 @@ import math
 from tiny_llm.sampling import (
     RequestSampler,
     SamplingParams,
+    TokenHistory,
     filter_logits,
+    penalize,
     sample_next_tokens,
 )
 
@@ -111,6 +113,16 @@ BAD_PARAMS = [
     ("seed", -1),
     ("seed", 1.5),
     ("seed", "42"),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", float("inf")),
+    ("logit_bias", {"x": 1.0}),
+    ("logit_bias", {5: 101}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", [1, 2]),
+    ("min_tokens", -1),
+    ("min_tokens", 1.5),
 ]
 
 
@@ -403,3 +415,56 @@ def test_batch_shape_must_match_the_samplers():
     with pytest.raises(ValueError, match="samplers"):
         sample_next_tokens(mx.zeros((8,)), [sampler])
     assert sample_next_tokens(mx.zeros((0, 8)), []) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties, biases, min_tokens
+
+
+def test_penalties_and_biases_as_vllm_defines_them():
+    row = np.array([2.0, -1.0, 0.5, 1.0, 3.0], np.float32)
+    history = TokenHistory(prompt_token_ids=[1], output_token_ids=[3, 3, 2], end_token_ids={4})
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
+                       presence_penalty=0.25, logit_bias={"0": -10}, min_tokens=5)
+    assert p.logit_bias == {0: -10.0} and p.penalized
+    # By hand: token 4 (an end token) masked while the output is shorter than min_tokens;
+    # token 0 biased; tokens 1 (prompt), 2 and 3 (output) divided by 2 if positive, else
+    # multiplied; then 0.5 per occurrence in the output and 0.25 once for being there.
+    want = [2.0 - 10, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 1.0 / 2 - 1.0 - 0.25, -np.inf]
+    np.testing.assert_allclose(penalize(row, p, history), want, rtol=1e-6)
+    sampler = RequestSampler(p, history)
+    assert sample_next_tokens(mx.array(row[None]), [sampler]) == [2]
+    history.output_token_ids += [0, 0]  # five tokens: the end token is allowed again
+    assert sample_next_tokens(mx.array(row[None]), [sampler]) == [4]
+    with pytest.raises(ValueError, match="need the request's tokens"):
+        RequestSampler(p)
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_a_penalized_request_gets_its_tokens_alone_and_batched(tiny_model, smollm_tokenizer):
+    """Penalties read only the request's own tokens: greedy and seeded sampled requests with
+    penalties get the same tokens in a batch as served alone."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.runs import random_prompts, served_alone, tokens_of
+
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             frequency_penalty=1.5, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True,
+                             repetition_penalty=1.3, logit_bias={7: 5.0}),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100}),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={7: 100},
+                             repetition_penalty=1e6)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=11, lo=4, hi=20)]
+    first = served_alone(tiny_model, smollm_tokenizer, prompts[4]["prompt_token_ids"],
+                         SamplingParams(temperature=0, max_tokens=1))[0][0]
+    # Its first token would stop it at once; min_tokens holds it back for 12 tokens.
+    params.append(SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                 stop_token_ids=[first]))
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, num_pages=64)
+    batched = tokens_of(engine, prompts, params)
+    for prompt, p, got in zip(prompts, params, batched, strict=True):
+        assert got == served_alone(tiny_model, smollm_tokenizer, prompt["prompt_token_ids"], p)[0]
+    assert batched[2] == [7] * 6  # the bias wins every step
+    assert batched[3][0] == 7 and 7 not in batched[3][1:]  # then the repetition penalty
+    assert len(batched[4]) == 12 and first not in batched[4]

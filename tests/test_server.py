@@ -457,7 +457,7 @@ def test_every_field_is_honoured_or_refused_never_ignored(served, client):
         path = f"{url}/v1/{'chat/completions' if chat else 'completions'}"
         base = ({"messages": [{"role": "user", "content": "hi"}]} if chat
                 else {"prompt": "hi"}) | {"max_tokens": 1}
-        neutral = api.NEUTRAL | (api.NEUTRAL_CHAT if chat else api.NEUTRAL_COMPLETIONS)
+        neutral = api.NEUTRAL_CHAT if chat else api.NEUTRAL_COMPLETIONS
         for name, values in neutral.items():
             status, text = http(path, base | {name: asking(name, chat)})
             error = json.loads(text)["error"]
@@ -477,8 +477,10 @@ def test_every_field_is_honoured_or_refused_never_ignored(served, client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
-        client.completions.create(model=MODEL, prompt="x", frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     settled(server)
 
 
@@ -488,8 +490,8 @@ def test_the_serving_chapters_table_lists_every_field():
 
     table = (ROOT / "book" / "src" / "serving.md").read_text().split("| field |")[1]
     named = set(re.findall(r"`(\w+)`", table.split("\n\n")[0]))
-    fields = (set().union(*api.HONOURED.values()) | api.NO_EFFECT | set(api.NEUTRAL)
-              | set(api.NEUTRAL_CHAT) | set(api.NEUTRAL_COMPLETIONS))
+    fields = (set().union(*api.HONOURED.values()) | api.NO_EFFECT | set(api.NEUTRAL_CHAT)
+              | set(api.NEUTRAL_COMPLETIONS))
     assert named - {"include_usage"} == fields
 
 
@@ -508,6 +510,16 @@ def test_vllm_sampling_extensions_are_honoured(served):
     got = json.loads(text)
     assert status == 200 and got["choices"][0]["finish_reason"] == "stop", text
     assert got["usage"]["completion_tokens"] == tokens.index(tokens[2]) + 1
+    # Penalties and biases: a JSON object's keys are strings, as OpenAI's client sends them.
+    status, text = http(f"{url}/v1/completions", {
+        "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {"7": 100}, "frequency_penalty": 0.5, "presence_penalty": 0.5})
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["text"] == alone(
+        server, "Hello", max_tokens=4, temperature=0, ignore_eos=True, logit_bias={7: 100},
+        frequency_penalty=0.5, presence_penalty=0.5)
+    status, text = http(f"{url}/v1/completions", {"prompt": "Hello", "logit_bias": {"7": 101}})
+    assert status == 400 and "logit_bias" in text
     settled(server)
 
 

@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tiny_llm.sampling import RequestSampler, SamplingParams
+from tiny_llm.sampling import RequestSampler, SamplingParams, TokenHistory
 from tiny_llm.tokenizer import IncrementalDetokenizer
 
 
@@ -74,12 +74,13 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.sampler = RequestSampler(params)
         self.detokenizer = detokenizer
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids or ())
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
+        self.sampler = RequestSampler(params, TokenHistory(
+            self.prompt_token_ids, self.output_token_ids, self.eos_token_ids | self.stop_token_ids))
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -11,6 +11,9 @@ What happens to one row of logits:
    top_p), then min-p (keep tokens whose probability is at least ``min_p`` times the top
    token's; a ratio, so renormalisation does not matter to it). vLLM V1 applies min-p first,
    and its top-p then renormalises over min-p's survivors: a different set can survive.
+   Before either, a request with penalties, a logit bias or ``min_tokens`` has its row
+   adjusted on the host (``penalize``, from the request's own tokens); a greedy one then
+   takes numpy's argmax, with the same tie rule.
 4. One uniform draw from the request's own ``np.random.Generator`` picks a token by inverse CDF
    over the kept tokens, walked in ascending token-id order.
 
@@ -97,6 +100,23 @@ def _stop_ids(value: object) -> list[int]:
     return [int(t) for t in items]
 
 
+def _logit_bias(value: object) -> dict[int, float]:
+    items = {} if value is None else value
+    if not isinstance(items, dict):
+        raise _invalid("logit_bias", "None or a dict of token id -> bias in [-100, 100]", value)
+    out = {}
+    for token, bias in items.items():
+        # JSON object keys are strings: "42" is token 42, as in OpenAI's API.
+        tid = int(token) if isinstance(token, str) and token.isdigit() else token
+        if not _is_int(tid) or tid < 0:
+            raise _invalid("logit_bias", "keyed by token ids >= 0", value)
+        ok = isinstance(bias, numbers.Real) and not isinstance(bias, bool)
+        if not ok or not -100.0 <= float(bias) <= 100.0:
+            raise _invalid("logit_bias", "a dict of token id -> bias in [-100, 100]", value)
+        out[int(tid)] = float(bias)
+    return out
+
+
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
@@ -113,6 +133,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    # Penalties and biases (``penalize``): on the output so far, as vLLM and OpenAI define
+    # them; repetition_penalty also counts the prompt.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.temperature = _real(
@@ -129,6 +156,22 @@ class SamplingParams:
         self.stop_token_ids = _stop_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise _invalid("ignore_eos", "a bool", self.ignore_eos)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _real(name, getattr(self, name), lambda v: -2.0 <= v <= 2.0,
+                                      "a number in [-2, 2]"))
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty,
+                                        lambda v: v > 0.0, "a finite number > 0")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.min_tokens = _optional_int("min_tokens", self.min_tokens, 0) or 0
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _invalid("min_tokens", f"at most max_tokens ({self.max_tokens})",
+                           self.min_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -136,13 +179,54 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-class RequestSampler:
-    """One request's params and its own random generator (seeded, or spawned from OS entropy)."""
+@dataclass
+class TokenHistory:
+    """What penalties read of a request: its prompt, its output so far (the request's own
+    list, which grows as it decodes), and the tokens that would end it (min_tokens holds
+    them back)."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.params = params
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    end_token_ids: set[int]
+
+
+class RequestSampler:
+    """One request's params and its own random generator (seeded, or spawned from OS
+    entropy); with penalties, the request's ``history``."""
+
+    def __init__(self, params: SamplingParams, history: TokenHistory | None = None) -> None:
+        if params.penalized and history is None:
+            raise ValueError("penalties, logit_bias and min_tokens need the request's tokens")
+        self.params, self.history = params, history
         seed = params.seed if params.seed is not None else _ENTROPY.spawn(1)[0]
         self.rng = np.random.default_rng(seed)
+
+
+# ANCHOR: penalize
+def penalize(row: np.ndarray, p: SamplingParams, history: TokenHistory) -> np.ndarray:
+    """A row of float32 logits with ``p``'s biases and penalties applied, in vLLM's order:
+    min_tokens (the end tokens masked), logit_bias, then the repetition, frequency and
+    presence penalties."""
+    row = np.array(row, dtype=np.float32)
+    if len(history.output_token_ids) < p.min_tokens:
+        ends = [t for t in history.end_token_ids if t < len(row)]
+        row[ends] = -np.inf
+    for token, bias in p.logit_bias.items():
+        if token < len(row):
+            row[token] += np.float32(bias)
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.array([*history.prompt_token_ids, *history.output_token_ids],
+                                  dtype=np.int64))
+        seen = seen[seen < len(row)]
+        rp = np.float32(p.repetition_penalty)
+        row[seen] = np.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = np.bincount(np.array(history.output_token_ids, dtype=np.int64),
+                             minlength=len(row))[: len(row)]
+        row -= np.float32(p.frequency_penalty) * counts.astype(np.float32)
+        row -= np.float32(p.presence_penalty) * (counts > 0).astype(np.float32)
+    return row
+# ANCHOR_END: penalize
 
 
 class _Filters(NamedTuple):
@@ -267,15 +351,20 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
             f"got shape {tuple(logits.shape)}"
         )
     tokens = [0] * len(samplers)
-    greedy = [b for b, s in enumerate(samplers) if s.params.greedy]
-    sampled = [b for b, s in enumerate(samplers) if not s.params.greedy]
+    plain = [s.params.greedy and not s.params.penalized for s in samplers]
+    greedy = [b for b, s in enumerate(samplers) if plain[b]]
+    on_host = [b for b, s in enumerate(samplers) if not plain[b]]
     if greedy:
         argmax = mx.argmax(_rows(logits, greedy), axis=-1).tolist()
         for b, token in zip(greedy, argmax, strict=True):
             tokens[b] = token
-    if sampled:
-        for b, row in zip(sampled, np.array(_rows(logits, sampled)), strict=True):
-            tokens[b] = _sample_row(row, samplers[b])
+    if on_host:
+        for b, row in zip(on_host, np.array(_rows(logits, on_host)), strict=True):
+            s = samplers[b]
+            if s.params.penalized:
+                row = penalize(row, s.params, s.history)
+            # np.argmax: the lowest token id on ties, as the device's argmax
+            tokens[b] = int(np.argmax(row)) if s.params.greedy else _sample_row(row, s)
     return tokens
 
 

@@ -278,8 +278,10 @@ class ParsedRequest:
 # The request fields, as this server treats them: every one is honoured, accepted only in
 # a value that asks for nothing (the OpenAI client and others send such defaults), or
 # refused with a 400 naming it. No field is ignored while it asks for something.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos")  # top_k, min_p, stop_token_ids, ignore_eos: as in vLLM
+# OpenAI's, then vLLM's beyond them.
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
+                   "frequency_penalty", "logit_bias", "top_k", "min_p", "stop_token_ids",
+                   "ignore_eos", "repetition_penalty", "min_tokens")
 HONOURED = {
     "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
              "messages", *SAMPLING_FIELDS},
@@ -288,10 +290,6 @@ HONOURED = {
 }
 NO_EFFECT = {"user"}  # an end user's id, for the caller's own bookkeeping
 # Not supported (yet), so accepted only in a value that asks for nothing.
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_tokens": (None, 0),
-}
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []),
@@ -321,7 +319,7 @@ def check_fields(body: dict, chat: bool) -> None:
     """Refuse a field this endpoint does not know, or one that asks for what this server
     does not do, naming it."""
     endpoint = "chat" if chat else "completions"
-    neutral = NEUTRAL | (NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS)
+    neutral = NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS
     for name, value in body.items():
         if name in HONOURED[endpoint] or name in NO_EFFECT:
             continue
