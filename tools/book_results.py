@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from book_tasks import chapters  # the same walk over mdBook's book JSON
+from book_tasks import run_preprocessor  # mdBook's protocol, as for the tasks
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results"
 BOOK_SRC = Path(__file__).resolve().parents[1] / "book" / "src"
@@ -173,19 +173,9 @@ def cited_results(src: Path = BOOK_SRC) -> list[str]:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "supports":
-        return 0  # plain Markdown: every renderer
-    _, book = json.load(sys.stdin)
     cache: dict[str, dict[str, Any]] = {}
-    for chapter in chapters(book.get("items", book.get("sections", []))):
-        where = chapter.get("path") or chapter["name"]
-        try:
-            chapter["content"] = substitute(chapter["content"], where, cache)
-        except ResultError as e:
-            print(f"book_results: {e}", file=sys.stderr)
-            return 1
-    json.dump(book, sys.stdout)
-    return 0
+    return run_preprocessor("book_results", lambda content, where: substitute(
+        content, where, cache), ResultError)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import json
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,21 +135,35 @@ def chapters(items: list[Any]) -> list[dict[str, Any]]:
     return found
 
 
-def main() -> int:
+def run_preprocessor(name: str, transform: Callable[[str, str], str],
+                     errors: type[Exception]) -> int:
+    """mdBook's preprocessor protocol: the book's JSON on stdin, each chapter's content
+    replaced by ``transform(content, where)``, the book on stdout; ``errors`` fail the
+    build with their message."""
     if len(sys.argv) > 1 and sys.argv[1] == "supports":
         return 0  # plain Markdown: every renderer
-    context, book = json.load(sys.stdin)
-    course = load_course_tasks()
+    _, book = json.load(sys.stdin)
     items = book.get("items", book.get("sections", []))  # mdBook 0.5 and 0.4
     for chapter in chapters(items):
         where = chapter.get("path") or chapter["name"]
         try:
-            chapter["content"] = fold_tasks(chapter["content"], course, where)
-        except PartialTask as e:
-            print(f"book_tasks: {e}", file=sys.stderr)
+            chapter["content"] = transform(chapter["content"], where)
+        except errors as e:
+            print(f"{name}: {e}", file=sys.stderr)
             return 1
     json.dump(book, sys.stdout)
     return 0
+
+
+def main() -> int:
+    course = None
+
+    def fold(content: str, where: str) -> str:
+        nonlocal course
+        course = course or load_course_tasks()
+        return fold_tasks(content, course, where)
+
+    return run_preprocessor("book_tasks", fold, PartialTask)
 
 
 if __name__ == "__main__":
