@@ -11,6 +11,7 @@ from tiny_llm.sampling import (
     filter_logits,
     penalize,
     sample_next_tokens,
+    token_logprob,
 )
 
 import mlx.core as mx
@@ -123,6 +124,9 @@ BAD_PARAMS = [
     ("logit_bias", [1, 2]),
     ("min_tokens", -1),
     ("min_tokens", 1.5),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", True),
 ]
 
 
@@ -468,3 +472,57 @@ def test_a_penalized_request_gets_its_tokens_alone_and_batched(tiny_model, smoll
     assert batched[2] == [7] * 6  # the bias wins every step
     assert batched[3][0] == 7 and 7 not in batched[3][1:]  # then the repetition penalty
     assert len(batched[4]) == 12 and first not in batched[4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs
+
+
+def test_a_tokens_logprob_and_the_most_likely_ones():
+    x = np.array([1.0, 3.0, 3.0, -2.0], np.float32)
+    log_norm = math.log(sum(math.exp(v) for v in x))
+    record = token_logprob(x, 0, 3)
+    assert record.token == 0 and math.isclose(record.logprob, 1.0 - log_norm, rel_tol=1e-12)
+    assert [t for t, _ in record.top] == [1, 2, 0]  # the tie at 3.0 by ascending id
+    assert math.isclose(record.top[0][1], 3.0 - log_norm, rel_tol=1e-12)
+    assert token_logprob(x, 3, 0).top == ()
+    sampler = RequestSampler(SamplingParams(temperature=2.0, seed=0, logprobs=2))
+    token = sample_next_tokens(mx.array(x[None]), [sampler])[0]
+    (scaled,) = sampler.logprobs  # the record of the row it was drawn from: x / temperature
+    assert scaled == token_logprob(x / np.float32(2.0), token, 2)
+
+
+def test_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
+    """Each token's record against a recomputation: the model's logits at every position of
+    prompt + output in one forward, log-softmaxed; greedy and sampled, alone and batched."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.testing.runs import random_prompts, tokens_of
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=5, lo=4, hi=12)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True,
+                             logprobs=0),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, num_pages=64)
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert outs[2].outputs[0].logprobs is None
+    for prompt, p, out in zip(prompts[:2], params[:2], outs[:2], strict=True):
+        ids, records = prompt["prompt_token_ids"], out.outputs[0].logprobs
+        tokens = out.outputs[0].token_ids
+        assert [r.token for r in records] == tokens and all(len(r.top) == p.logprobs
+                                                              for r in records)
+        seq = ids + tokens
+        n = len(seq)
+        logits = tiny_model(mx.array(seq, mx.int32), mx.arange(n),
+                            DenseKVCache(tiny_model.config.num_hidden_layers), mx.arange(n))
+        rows = np.array(logits.astype(mx.float32))[len(ids) - 1 : n - 1]
+        scale = 1.0 if p.greedy else p.temperature
+        for row, record in zip(rows, records, strict=True):
+            x = row.astype(np.float64) / scale
+            want = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+            assert abs(record.logprob - want[record.token]) < 1e-4
+            assert [t for t, _ in record.top] == list(np.argsort(-want, kind="stable")[:p.logprobs])
+    alone = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), prompts[:1],
+                      params[:1])
+    assert alone[0] == outs[0].outputs[0].token_ids

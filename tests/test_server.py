@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
+from tiny_llm.generate import stream_generate
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.server import APIError, Server, build_app
 from tiny_llm.testing.runs import served_alone
@@ -481,6 +482,41 @@ def test_every_field_is_honoured_or_refused_never_ignored(served, client):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    settled(server)
+
+
+def test_logprobs_as_the_openai_client_reads_them(served, client):
+    url, server = served
+    engine = server.engine
+    messages = [{"role": "user", "content": "Count"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    ids = engine.tokenize(messages)
+    records = list(stream_generate(engine.model, engine.tokenizer, ids, SamplingParams(
+        max_tokens=4, temperature=0, logprobs=3)))[-1].outputs[0].logprobs
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens == len(records)
+    for entry, record in zip(content, records, strict=True):
+        assert entry.token == engine.tokenizer.decode([record.token])
+        assert abs(entry.logprob - record.logprob) < 1e-5 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the top one
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                              temperature=0, logprobs=True, stream=True)
+    entries = [e for chunk in streamed for c in chunk.choices if c.logprobs
+               for e in c.logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in entries)
+    legacy = client.completions.create(model=MODEL, prompt="Count", max_tokens=3,
+                                       temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == legacy.choices[0].text  # tokens that hold whole characters
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(3)]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    status, text = http(f"{url}/v1/completions", {"prompt": "x", "logprobs": 6})
+    assert status == 400 and json.loads(text)["error"]["param"] == "logprobs"
+    status, text = http(f"{url}/v1/chat/completions", {"messages": messages, "top_logprobs": 2})
+    assert status == 400 and json.loads(text)["error"]["param"] == "top_logprobs"
     settled(server)
 
 

@@ -19,7 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tiny_llm.sampling import RequestSampler, SamplingParams, TokenHistory
+from tiny_llm.sampling import RequestSampler, SamplingParams, TokenHistory, TokenLogprob
 from tiny_llm.tokenizer import IncrementalDetokenizer
 
 
@@ -35,6 +35,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, if the params ask for them
 
 
 @dataclass
@@ -166,8 +167,8 @@ class Request:
 
     def output(self, new_token_ids: list[int], text_delta: str) -> RequestOutput:
         completion = CompletionOutput(
-            0, self.output_text, list(self.output_token_ids), self.finish_reason
-        )
+            0, self.output_text, list(self.output_token_ids), self.finish_reason,
+            None if self.params.logprobs is None else list(self.sampler.logprobs))
         return RequestOutput(
             self.request_id,
             self.prompt,

@@ -118,6 +118,7 @@ def _logit_bias(value: object) -> dict[int, float]:
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+MAX_LOGPROBS = 20  # alternatives a token's record may list (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -140,6 +141,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    # The sampled token's log-probability and this many alternatives' (``TokenLogprob``).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real(
@@ -166,6 +169,15 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _invalid("min_tokens", f"at most max_tokens ({self.max_tokens})",
                            self.min_tokens)
+        self.logprobs = _optional_int("logprobs", self.logprobs, 0)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise _invalid("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+
+    @property
+    def drafts_allowed(self) -> bool:
+        """Whether speculative decoding may draft for the request: not with penalties (they
+        read the tokens before each position) nor logprobs (recorded token by token)."""
+        return not self.penalized and self.logprobs is None
 
     @property
     def penalized(self) -> bool:
@@ -190,9 +202,22 @@ class TokenHistory:
     end_token_ids: set[int]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability, and the ``logprobs`` most likely tokens' (ties by
+    ascending id), in the distribution the token was drawn from: the row after penalties
+    and biases, divided by the temperature (as it is for a greedy request), before the
+    top-k, top-p and min-p filters."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 class RequestSampler:
     """One request's params and its own random generator (seeded, or spawned from OS
-    entropy); with penalties, the request's ``history``."""
+    entropy); with penalties, the request's ``history``; with ``logprobs``, a record per
+    sampled token."""
 
     def __init__(self, params: SamplingParams, history: TokenHistory | None = None) -> None:
         if params.penalized and history is None:
@@ -200,6 +225,17 @@ class RequestSampler:
         self.params, self.history = params, history
         seed = params.seed if params.seed is not None else _ENTROPY.spawn(1)[0]
         self.rng = np.random.default_rng(seed)
+        self.logprobs: list[TokenLogprob] = []
+
+
+def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """``token``'s record in the distribution softmax(``x``), with the ``k`` most likely."""
+    x = x.astype(np.float64)
+    top = float(x.max())
+    log_norm = top + math.log(np.exp(x - top).sum())
+    best = np.argsort(-x, kind="stable")[:k]  # stable: ties by ascending id
+    return TokenLogprob(token, float(x[token] - log_norm),
+                        tuple((int(t), float(x[t] - log_norm)) for t in best))
 
 
 # ANCHOR: penalize
@@ -351,7 +387,7 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
             f"got shape {tuple(logits.shape)}"
         )
     tokens = [0] * len(samplers)
-    plain = [s.params.greedy and not s.params.penalized for s in samplers]
+    plain = [s.params.greedy and s.params.drafts_allowed for s in samplers]
     greedy = [b for b, s in enumerate(samplers) if plain[b]]
     on_host = [b for b, s in enumerate(samplers) if not plain[b]]
     if greedy:
@@ -365,6 +401,9 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
                 row = penalize(row, s.params, s.history)
             # np.argmax: the lowest token id on ties, as the device's argmax
             tokens[b] = int(np.argmax(row)) if s.params.greedy else _sample_row(row, s)
+            if s.params.logprobs is not None:
+                x = row if s.params.greedy else _scaled(row, s.params.temperature)
+                s.logprobs.append(token_logprob(x, tokens[b], s.params.logprobs))
     return tokens
 
 

@@ -39,12 +39,13 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 log = logging.getLogger("tiny_llm")
 
@@ -284,14 +285,14 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
                    "ignore_eos", "repetition_penalty", "min_tokens")
 HONOURED = {
     "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-             "messages", *SAMPLING_FIELDS},
+             "messages", "logprobs", "top_logprobs", *SAMPLING_FIELDS},
     "completions": {"model", "n", "max_tokens", "max_completion_tokens", "stream",
-                    "stream_options", "prompt", *SAMPLING_FIELDS},
+                    "stream_options", "prompt", "logprobs", *SAMPLING_FIELDS},
 }
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 NO_EFFECT = {"user"}  # an end user's id, for the caller's own bookkeeping
 # Not supported (yet), so accepted only in a value that asks for nothing.
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []),
@@ -301,7 +302,7 @@ NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
     "web_search_options": (None,),
 }
 NEUTRAL_COMPLETIONS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
 }
 
 
@@ -350,7 +351,8 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
     try:
-        params = SamplingParams(max_tokens=max_tokens, **options)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
+                                **options)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     stream = body.get("stream")
@@ -362,6 +364,26 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage", param="stream_options")
     return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")))
+
+
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprob record lists (None: no records): chat's
+    ``logprobs`` (a bool) and ``top_logprobs``, or completions' ``logprobs`` (a count)."""
+    if not chat:
+        k = body.get("logprobs")
+        if k is not None and (type(k) is not int or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
+            raise APIError(400, f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]",
+                           param="logprobs")
+        return k
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted not in (None, True, False):
+        raise APIError(400, "logprobs must be a boolean", param="logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+                       param="top_logprobs")
+    if top and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def chat_messages(body: dict) -> list[dict[str, str]]:
@@ -521,6 +543,9 @@ class Server:
             else:  # no await here: this may run in a cancelled scope (a closed stream)
                 self.loop.abort(request_id)
 
+    def token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
     def usage(self, out: RequestOutput, num_prompt: int) -> dict[str, Any]:
         completion = len(out.outputs[0].token_ids)
         return {"prompt_tokens": num_prompt, "completion_tokens": completion,
@@ -536,8 +561,8 @@ class Server:
             parsed, request_id, queue, num_prompt, timeline = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
-        shape = ChatShape(request_id, self.model_name) if chat else \
-            CompletionShape(request_id, self.model_name)
+        shape = (ChatShape if chat else CompletionShape)(request_id, self.model_name,
+                                                         self.token_text)
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, request_id, queue, num_prompt,
                                                    timeline, shape), ping=15)
@@ -556,7 +581,7 @@ class Server:
         if last is None or not last.finished:
             return error_response(APIError(499, "the client closed the request"))
         return JSONResponse(shape.whole("".join(text), last.finish_reason,
-                                        self.usage(last, num_prompt)))
+                                        self.usage(last, num_prompt), last.outputs[0].logprobs))
 
     async def events(self, parsed: ParsedRequest, request_id: str, queue: asyncio.Queue,
                      num_prompt: int, timeline: Timeline, shape):
@@ -565,9 +590,13 @@ class Server:
             # aclosing: a cancelled stream closes its outputs (and aborts) at once, not when
             # the abandoned generator is collected.
             async with contextlib.aclosing(self.outputs(request_id, queue, timeline)) as outs:
+                sent = 0  # logprob records sent: a token's may wait for its text
                 async for out in outs:
                     if out.text_delta or out.finished:
-                        yield json.dumps(shape.chunk(out.text_delta, out.finish_reason))
+                        records = out.outputs[0].logprobs
+                        yield json.dumps(shape.chunk(out.text_delta, out.finish_reason,
+                                                     records and records[sent:]))
+                        sent = len(records or ())
                     if out.finished and parsed.include_usage:
                         yield json.dumps(shape.usage_chunk(self.usage(out, num_prompt)))
         except APIError as e:
@@ -581,26 +610,43 @@ class CompletionShape:
 
     object = "text_completion"
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
+        self.token_text = token_text
+        self.text_offset = 0  # characters of the tokens whose logprobs went out
 
     def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
     def first(self) -> dict[str, Any]:
-        return self.chunk("", None)
+        return self.chunk("", None, None)
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self.envelope([{"index": 0, "text": text, "logprobs": None,
+    def chunk(self, text: str, finish_reason: str | None,
+              records: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.envelope([{"index": 0, "text": text, "logprobs": self.logprobs(records),
                                "finish_reason": finish_reason}])
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return self.envelope([], usage=usage)
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict[str, Any]:
-        return self.envelope([{"index": 0, "text": text, "logprobs": None,
+    def whole(self, text: str, finish_reason: str | None, usage: dict,
+              records: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.envelope([{"index": 0, "text": text, "logprobs": self.logprobs(records),
                                "finish_reason": finish_reason}], usage=usage)
+
+    def logprobs(self, records: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The legacy completions' shape: parallel lists, the alternatives as dicts."""
+        if records is None:
+            return None
+        tokens = [self.token_text(r.token) for r in records]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in r.top} for r in records],
+                "text_offset": offsets}
 
 
 class ChatShape(CompletionShape):
@@ -608,24 +654,38 @@ class ChatShape(CompletionShape):
 
     object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str):
-        super().__init__(request_id, model)
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
+        super().__init__(request_id, model, token_text)
         self.id = f"chatcmpl-{request_id}"
 
     def first(self) -> dict[str, Any]:
         return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None,
+              records: list[TokenLogprob] | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self.envelope([{"index": 0, "delta": delta, "logprobs": None,
+        return self.envelope([{"index": 0, "delta": delta, "logprobs": self.logprobs(records),
                                "finish_reason": finish_reason}])
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str | None, usage: dict,
+              records: list[TokenLogprob] | None) -> dict[str, Any]:
         body = self.envelope([{"index": 0, "message": {"role": "assistant", "content": text},
-                               "logprobs": None, "finish_reason": finish_reason}],
-                             usage=usage)
+                               "logprobs": self.logprobs(records),
+                               "finish_reason": finish_reason}], usage=usage)
         return {**body, "object": "chat.completion"}
+
+    def logprobs(self, records: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The chat shape: one entry per token, its alternatives inside it."""
+        if records is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [entry(r.token, r.logprob) | {"top_logprobs": [
+            entry(t, lp) for t, lp in r.top]} for r in records], "refusal": None}
 
 
 def error_response(error: APIError):

@@ -266,9 +266,7 @@ class SpeculativeDecoding:
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for the running requests that are decoding."""
         k = self.policy.k(len(running))
-        # Penalties read the tokens before each position: verification would need them per
-        # row, so a penalized request decodes without drafts.
-        decoding = [r for r in running if r.num_uncomputed_tokens == 1 and not r.params.penalized]
+        decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.params.drafts_allowed]
         for r in running:
             r.spec_token_ids = []
         if not k or not decoding:
