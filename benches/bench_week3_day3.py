@@ -76,7 +76,8 @@ from tiny_llm.day3_paged_kv import (
 from tiny_llm.engine import LLMEngine
 from tiny_llm.kv_cache import causal_attention
 from tiny_llm.model import Model
-from tiny_llm.step import StepBatch
+from tiny_llm.step import PagedLayout, StepBatch
+from tiny_llm.testing.paged import block_table
 
 import mlx.core as mx
 import numpy as np
@@ -601,7 +602,10 @@ def gather_cost(sz: dict[str, Any], rounds: int, num_layers: int = 30
                 query_start_loc=list(range(batch + 1)), context_lens=[ctx] * batch,
                 logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], num_logits=[],
                 decode_rows=batch,
-                kv={"tables": tables, "slot_mapping": mx.array(slot_mapping, dtype=mx.int32)})
+                kv=PagedLayout(tables, mx.array(slot_mapping, dtype=mx.int32),
+                               block_table(tables, pages_per_seq),
+                               mx.array([ctx] * batch, dtype=mx.int32),
+                               mx.arange(batch + 1, dtype=mx.int32)))
             gather = GatherAttention(space)
             gather.begin_step(step)  # once per step, shared by the layers: not timed
             q = mx.random.normal((batch, hq, hd))

@@ -129,7 +129,8 @@ def use_cpu() -> None:
 
     import mlx.core as mx
 
-    if not openblas_loaded():
+    # TINY_LLM_NO_OPENBLAS=1: MLX's own BLAS on purpose (bench_model's configuration b).
+    if not openblas_loaded() and os.environ.get("TINY_LLM_NO_OPENBLAS") != "1":
         print(f"{Path(sys.argv[0]).name} measures the Linux CPU path, MLX's matmuls through the "
               "OpenBLAS that make setup interposes, which this machine does not have",
               file=sys.stderr)

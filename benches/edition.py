@@ -19,12 +19,13 @@ script measures the GPU.
 
     python benches/edition.py --list          # the scripts it would run, in order
     python benches/edition.py                 # all of them (hours on a 2-core CPU)
-    python benches/edition.py --only bench_week3_day1 bench_model
+    python benches/edition.py --only bench_model   # redo one script, the engine unchanged
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -93,10 +94,35 @@ def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]
     return [name, seconds, "measured" if done.returncode == 0 else f"failed ({done.returncode})"]
 
 
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def earlier_edition(machine: Table) -> dict:
+    """The edition that ``--only`` redoes scripts of: on this machine, with the engine
+    (``src/``) unchanged since it, so that every result still measures one engine."""
+    path = REPO_ROOT / "benchmark_results" / "edition.json"
+    if not path.exists():
+        raise SystemExit("--only redoes scripts of an edition: run a whole one first")
+    edition = json.loads(path.read_text())
+    if edition["tables"][0]["rows"][0] != machine.rows[0]:
+        raise SystemExit("the edition was measured on another CPU: run a whole edition here")
+    # An edition written before the per-script commit column: its one commit for all.
+    commit = edition["data"].get("engine_commit", edition["environment"]["git_commit"])
+    edition["data"]["engine_commit"] = commit
+    edition["tables"][1]["rows"] = [row + [commit] * (4 - len(row))
+                                    for row in edition["tables"][1]["rows"]]
+    if git("diff", "--quiet", commit, "HEAD", "--", "src").returncode != 0:
+        raise SystemExit(f"the engine (src/) changed since the edition's commit {commit}: "
+                         "a new edition measures every script")
+    return edition
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every script (>= 3)")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help="a subset of the cited results")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="redo these scripts of the last edition (the engine unchanged)")
     ap.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, for its table")
     ap.add_argument("--list", action="store_true", help="print the scripts, run nothing")
     args = ap.parse_args()
@@ -105,20 +131,31 @@ def main() -> None:
         unknown = sorted(set(args.only) - set(names))
         if unknown:
             raise SystemExit(f"not results the book cites: {unknown}; it cites {names}")
-        names = [n for n in names if n in args.only]
     if args.list:
-        print("\n".join(names))
+        print("\n".join(n for n in names if not args.only or n in args.only))
         return
     if args.rounds < 3:
         raise SystemExit("an edition needs at least 3 rounds (the book's test refuses fewer)")
     if not tree_is_clean() or environment()["git_dirty"]:
         raise SystemExit("the tree has changes: commit or stash them, an edition is one commit")
     machine = machine_table()
-    runs = [run_script(name, args.rounds, args.llama_bench) for name in names]
+    commit = environment()["git_commit"]
+    rows = {name: [name, None, "not run", commit] for name in names}
+    engine_commit = commit
+    if args.only:
+        edition = earlier_edition(machine)
+        engine_commit = edition["data"]["engine_commit"]
+        rows |= {row[0]: row for row in edition["tables"][1]["rows"] if row[0] in rows}
+        machine = Table(**{k: edition["tables"][0][k] for k in ("title", "headers", "rows")})
+    for name in args.only or names:
+        rows[name] = [*run_script(name, args.rounds, args.llama_bench), commit]
     scripts = Table("The edition's scripts, one after the other",
-                    ["result", "seconds", "outcome"], runs, formats=["", ".0f", ""])
-    save_results("edition", {"results": names}, [machine, scripts], rounds=args.rounds)
-    failed = [r[0] for r in runs if str(r[2]).startswith("failed")]
+                    ["result", "seconds", "outcome", "commit"], list(rows.values()),
+                    formats=["", ".0f", "", ""],
+                    note=f"The engine (src/) of every commit above is that of {engine_commit}.")
+    save_results("edition", {"results": names, "engine_commit": engine_commit},
+                 [machine, scripts], rounds=args.rounds)
+    failed = [r[0] for r in rows.values() if str(r[2]).startswith("failed")]
     if failed:
         raise SystemExit(f"failed: {failed}")
 

@@ -467,3 +467,27 @@ def test_figures_are_what_the_code_draws_today():
         assert committed.is_file(), f"{name}: run python tools/book_figures.py"
         assert committed.read_text() == draw(), f"{name} differs: run python tools/book_figures.py"
         assert any(f"figures/{name}" in p.read_text() for p in chapter_files()), f"{name}: unused"
+
+
+def test_every_cited_result_is_of_the_editions_commit():
+    """One edition: every result the book shows is the one benches/edition.py's run of its
+    script wrote, at the commit its table records (one engine: the edition refuses to redo
+    a script once src/ has changed), or the table says why it was not run."""
+    import json
+
+    edition = json.loads((RESULTS / "edition.json").read_text())
+    rows = {row[0]: row for row in edition["tables"][1]["rows"]}
+    problems = []
+    for path in cited_results():
+        name = path.stem
+        if name not in rows:
+            problems.append(f"{name}: not in the edition (run benches/edition.py)")
+            continue
+        _, _, outcome, commit = rows[name]
+        if outcome == "measured":
+            measured = json.loads(path.read_text())["environment"]["git_commit"]
+            if measured != commit:
+                problems.append(f"{name}: measured at {measured}, the edition's run at {commit}")
+        elif not outcome.startswith(("not run (no --llama-bench)", "not this machine's")):
+            problems.append(f"{name}: {outcome}")
+    assert not problems, "\n".join(problems)

@@ -169,7 +169,7 @@ def cited_results(src: Path = BOOK_SRC) -> list[str]:
         text = chapter.read_text(encoding="utf-8")
         names |= set(INCLUDED_TABLE.findall(text))
         names |= {shlex.split(m["args"])[0] for m in DIRECTIVE.finditer(text)}
-    return sorted(names)
+    return sorted(names - {"edition"})  # the edition's own record: not a script's result
 
 
 def main() -> int:
