@@ -20,7 +20,14 @@ from tiny_llm.engine import LLMEngine
 from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.loader import build_model, convert_gguf_weights, gguf_config
 from tiny_llm.model import MLP, Model, ModelConfig
-from tiny_llm.moe import SparseMoeBlock, combine, dispatch, route, use_loop
+from tiny_llm.moe import (
+    LOOP_MIN_ROWS_PER_EXPERT,
+    SparseMoeBlock,
+    combine,
+    dispatch,
+    route,
+    use_loop,
+)
 from tiny_llm.testing.models import make_tiny_model, mlx_lm_model, random_weights, tiny_config
 from tiny_llm.testing.runs import served_alone, tokens_of, workload
 
@@ -251,7 +258,10 @@ def test_per_expert_loop_equals_the_gathered_matmul(bits):
 
 
 def test_auto_dispatch_loops_over_experts_only_when_they_get_rows_on_the_cpu(cpu_device):
-    assert not use_loop("auto", 8, 8) and use_loop("auto", 16, 8)
+    rows = LOOP_MIN_ROWS_PER_EXPERT * 8  # assignments at which 8 experts average the minimum
+    assert LOOP_MIN_ROWS_PER_EXPERT > 1  # one row per expert (decode) takes the gathered matmul
+    assert not use_loop("auto", 8, 8) and not use_loop("auto", rows - 1, 8)
+    assert use_loop("auto", rows, 8)
     assert use_loop("loop", 1, 8) and not use_loop("gather", 1000, 8)
 
 
