@@ -387,6 +387,8 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
             f"got shape {tuple(logits.shape)}"
         )
     tokens = [0] * len(samplers)
+    # On the device: greedy rows with nothing to do on the host (no penalty, no logprobs:
+    # the requests that may also draft).
     plain = [s.params.greedy and s.params.drafts_allowed for s in samplers]
     greedy = [b for b, s in enumerate(samplers) if plain[b]]
     on_host = [b for b, s in enumerate(samplers) if not plain[b]]
