@@ -107,11 +107,7 @@ def earlier_edition(machine: Table) -> dict:
     edition = json.loads(path.read_text())
     if edition["tables"][0]["rows"][0] != machine.rows[0]:
         raise SystemExit("the edition was measured on another CPU: run a whole edition here")
-    # An edition written before the per-script commit column: its one commit for all.
-    commit = edition["data"].get("engine_commit", edition["environment"]["git_commit"])
-    edition["data"]["engine_commit"] = commit
-    edition["tables"][1]["rows"] = [row + [commit] * (4 - len(row))
-                                    for row in edition["tables"][1]["rows"]]
+    commit = edition["data"]["engine_commit"]
     if git("diff", "--quiet", commit, "HEAD", "--", "src").returncode != 0:
         raise SystemExit(f"the engine (src/) changed since the edition's commit {commit}: "
                          "a new edition measures every script")

@@ -233,7 +233,11 @@ def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
     x = x.astype(np.float64)
     top = float(x.max())
     log_norm = top + math.log(np.exp(x - top).sum())
-    best = np.argsort(-x, kind="stable")[:k]  # stable: ties by ascending id
+    best = np.array([], dtype=np.int64)
+    if k:  # the k highest without sorting the vocabulary: those at or above the k-th, ranked
+        kth = np.partition(x, len(x) - k)[len(x) - k]
+        ids = np.flatnonzero(x >= kth)
+        best = ids[np.lexsort((ids, -x[ids]))][:k]  # ties by ascending id
     return TokenLogprob(token, float(x[token] - log_norm),
                         tuple((int(t), float(x[t] - log_norm)) for t in best))
 
