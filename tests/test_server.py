@@ -556,6 +556,9 @@ def test_vllm_sampling_extensions_are_honoured(served):
         frequency_penalty=0.5, presence_penalty=0.5)
     status, text = http(f"{url}/v1/completions", {"prompt": "Hello", "logit_bias": {"7": 101}})
     assert status == 400 and "logit_bias" in text
+    status, text = http(f"{url}/v1/completions", {"prompt": "Hello",
+                                                   "logit_bias": {"4900000": 1}})
+    assert status == 400 and "logit_bias keys out of the vocabulary" in text
     settled(server)
 
 

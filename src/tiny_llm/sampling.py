@@ -251,9 +251,8 @@ def penalize(row: np.ndarray, p: SamplingParams, history: TokenHistory) -> np.nd
     if len(history.output_token_ids) < p.min_tokens:
         ends = [t for t in history.end_token_ids if t < len(row)]
         row[ends] = -np.inf
-    for token, bias in p.logit_bias.items():
-        if token < len(row):
-            row[token] += np.float32(bias)
+    for token, bias in p.logit_bias.items():  # ids checked against the vocabulary at admission
+        row[token] += np.float32(bias)
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.array([*history.prompt_token_ids, *history.output_token_ids],
                                   dtype=np.int64))

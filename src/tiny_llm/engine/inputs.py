@@ -128,6 +128,9 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys out of the vocabulary [0, {vocab}): {bad[:5]}")
         capacity = self.capacity_tokens
         longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
                       self.max_model_len)
