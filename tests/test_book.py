@@ -442,7 +442,8 @@ def test_a_result_directive_reads_its_table_and_fails_closed():
             '{{#result r env git_commit}}')
     assert book_results.substitute(text, "ch.md", cache) == "10.0 and 10–25, 0.04 at abc1234"
     for bad in ("r 1 tok/s", "r 2 tok/s policy=static", "r 1 speed policy=static",
-                "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n"):
+                "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n",
+                "r 1 tok/s policy=static :.2q"):
         with pytest.raises(book_results.ResultError, match=re.escape("ch.md: {{#result " + bad)):
             book_results.substitute("{{#result " + bad + "}}", "ch.md", cache)
 

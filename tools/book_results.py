@@ -155,7 +155,7 @@ def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> st
     def value(m: re.Match[str]) -> str:
         try:
             return resolve(m["args"], cache)
-        except ResultError as e:
+        except ValueError as e:  # ResultError, or a format spec Python does not know
             raise ResultError(f"{where}: {m[0]}: {e}") from None
 
     return DIRECTIVE.sub(value, content)
