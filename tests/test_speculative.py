@@ -15,7 +15,7 @@ from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.speculative import NgramProposer, distribution, rewind, speculative_accept
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
-from tiny_llm.testing.runs import greedy, tokens_of
+from tiny_llm.testing.runs import greedy, served_alone, tokens_of
 
 import numpy as np
 import pytest
@@ -344,3 +344,24 @@ def test_bad_speculative_configurations_are_refused(tiny_model, smollm_tokenizer
         LLMEngine(tiny_model, smollm_tokenizer, kv_cache="dense", speculative="ngram")
     with pytest.raises(ValueError, match="speculative must be one of"):
         LLMEngine(tiny_model, smollm_tokenizer, speculative="yes")
+
+
+def test_penalties_and_logprobs_decode_without_drafts_and_keep_their_tokens(repeater,
+                                                                            smollm_tokenizer):
+    """Penalties read the tokens before each position and logprobs are recorded token by
+    token, which a verification's rows do not give: such requests decode without drafts,
+    beside requests that draft, and get the tokens they get served alone."""
+    prompts = repetitive_prompts(3, seed=3)
+    params = [greedy(12), greedy(12, frequency_penalty=0.5), greedy(12, logprobs=1)]
+    engine = LLMEngine(repeater, smollm_tokenizer, num_pages=128, speculative="ngram")
+    proposed = []
+    propose = engine.core.spec.proposer.propose
+    engine.core.spec.proposer.propose = lambda requests, k: (
+        proposed.extend(r.params for r in requests) or propose(requests, k))
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.stats()["num_draft_tokens"] > 0  # the plain request drafted
+    assert not any(p is params[1] or p is params[2] for p in proposed)
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        alone = served_alone(repeater, smollm_tokenizer, prompt["prompt_token_ids"], p)[0]
+        assert out.outputs[0].token_ids == alone
+    assert len(outs[2].outputs[0].logprobs) == 12
