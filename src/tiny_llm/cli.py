@@ -44,6 +44,10 @@ ENGINE_FLAGS = [
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step"),
     ("--speculative-max-batch", "speculative_max_batch", int, "no drafts above this batch"),
     ("--draft-model", "draft_model", str, "the draft: an HF folder, hub id or .gguf file"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int,
+     "ranks the model is split over (start them with mlx.launch -n N --backend ring --)"),
+    ("--tensor-parallel-timeout", "tensor_parallel_timeout", float,
+     "seconds a step may wait on the other ranks before rank 0 gives up"),
 ]
 
 

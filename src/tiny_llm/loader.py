@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,15 @@ def load(
     *,
     dtype: str | mx.Dtype | None = "auto",
     dequantize: bool | None = None,
+    shard: Callable[[Model], None] | None = None,
 ) -> tuple[Model, Tokenizer]:
     """Load ``model`` (a folder, a ``.gguf`` file, a hub repo id, or None for the default).
 
     ``dtype`` is the activation/weight dtype: ``"auto"`` (or None) is float32 on the CPU and
     the checkpoint's own dtype on a GPU (``model_dtype``), or ``"float16"``, ``"bfloat16"``,
     ``"float32"`` (or an ``mx.Dtype``). ``dequantize`` turns quantized weights into ``dtype``
-    (default: on the CPU only).
+    (default: on the CPU only). ``shard`` keeps one rank's share of every layer before any
+    weight is evaluated (``tensor_parallel.shard_model``).
     """
     requested = parse_dtype(dtype)
     dequantize = on_cpu() if dequantize is None else dequantize
@@ -82,7 +85,7 @@ def load(
     else:
         config, weights, tokenizer = read_hf_folder(path)
     dtype = model_dtype(requested, checkpoint_dtype(config, weights))
-    return build_model(config, weights, dtype=dtype, dequantize=dequantize), tokenizer
+    return build_model(config, weights, dtype=dtype, dequantize=dequantize, shard=shard), tokenizer
 # ANCHOR_END: load
 
 
@@ -324,9 +327,11 @@ def unpermute_rows(t: mx.array, heads: int) -> mx.array:
 
 # ANCHOR: build_model
 def build_model(
-    config: ModelConfig, weights: dict[str, mx.array], *, dtype: mx.Dtype, dequantize: bool
+    config: ModelConfig, weights: dict[str, mx.array], *, dtype: mx.Dtype, dequantize: bool,
+    shard: Callable[[Model], None] | None = None,
 ) -> Model:
-    """Check ``weights`` against the model's shapes, then load them (quantized or not)."""
+    """Check ``weights`` against the model's shapes, then load them (quantized or not);
+    ``shard`` keeps a rank's share before any weight is evaluated."""
     model = Model(config)
     expected = dict(tree_flatten(model.parameters()))
     if config.tie_word_embeddings:
@@ -371,6 +376,8 @@ def build_model(
     for module in model.modules():
         if isinstance(module, nn.QuantizedEmbedding):
             module.output_dtype = dtype  # its lookup, whatever dtype its scales are kept in
+    if shard is not None:
+        shard(model)
     mx.eval(model.parameters())
     return model
 

@@ -332,13 +332,7 @@ class Model(nn.Module):
         ``kernels``: the model runner's plan for the extension's CPU kernels (``cpu_kernels.py``),
         handed to every layer; None: MLX's ops alone.
         """
-        h = self.model.embed_tokens(tokens)
-        if kernels is not None and kernels.fused is not None and (out := fused_decoder_layers(
-                self.model.layers, h, positions, cache, kernels)) is not None:
-            h = out  # a decode step on a CPU: runs of layers as single ops, the same bits
-        else:
-            for layer in self.model.layers:
-                h = layer(h, positions, cache, kernels)
+        h = self.hidden_states(tokens, positions, cache, kernels)
         if logit_rows is not None:
             h = h[logit_rows]
         h = self.model.norm(h, kernels)
@@ -348,6 +342,17 @@ class Model(nn.Module):
         if isinstance(embed, nn.QuantizedEmbedding):
             return embed.as_linear(h, kernels)
         return linear(h, embed.weight, kernels)
+
+    def hidden_states(self, tokens: mx.array, positions: mx.array, cache: KVCache,
+                      kernels: KernelPlan | None = None) -> mx.array:
+        """Every row's output of the last layer (before the final norm)."""
+        h = self.model.embed_tokens(tokens)
+        if kernels is not None and kernels.fused is not None and (out := fused_decoder_layers(
+                self.model.layers, h, positions, cache, kernels)) is not None:
+            return out  # a decode step on a CPU: runs of layers as single ops, the same bits
+        for layer in self.model.layers:
+            h = layer(h, positions, cache, kernels)
+        return h
 # ANCHOR_END: model
 
     @property

@@ -35,7 +35,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -46,6 +48,7 @@ from typing import Any
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from tiny_llm.tensor_parallel import TensorParallelError
 
 log = logging.getLogger("tiny_llm")
 
@@ -148,6 +151,12 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
+            except TensorParallelError as e:  # a rank is gone: no later step can run
+                log.error("%s: the server stops", e)
+                self._closed = APIError(503, str(e), kind="engine_failed")
+                self._fail_all(self._closed)
+                os.kill(os.getpid(), signal.SIGTERM)  # the bounded shutdown ends the process
+                return
             except Exception as e:  # the step changed nothing; end its requests, go on
                 log.exception("engine step failed")
                 self._fail_all(e)

@@ -57,13 +57,15 @@ class EngineConfig:
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
     fused_layers: bool = True  # decode steps' dense layers as one op (the CPU kernels)
+    tensor_parallel_size: int = 1  # ranks the model is split over (processes of mlx.launch)
+    tensor_parallel_timeout: float = 60.0  # seconds a step may wait on the other ranks
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_num_seqs is None:  # as many as mlx-lm's batch_generate runs at once
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
-        for name in ("max_num_seqs", "page_size",
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size",
                      "num_speculative_tokens", "speculative_max_batch"):
             _check_int(name, getattr(self, name), 1)
         for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1),
@@ -115,6 +117,13 @@ class EngineConfig:
         if self.speculative != "off" and self.kv_cache != "paged":
             raise ValueError("speculative decoding rewinds the paged cache: it needs "
                              "kv_cache='paged'")
+        timeout = self.tensor_parallel_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be a number of seconds > 0, "
+                             f"got {timeout!r}")
+        if self.tensor_parallel_size > 1 and self.kv_cache != "paged":
+            raise ValueError("tensor parallelism shares rank 0's block tables with every rank: "
+                             "it needs kv_cache='paged'")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("speculative='draft' and draft_model go together: give both or "
                              "neither")

@@ -17,6 +17,8 @@ its end aborts its request and frees its pages.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -38,7 +40,7 @@ from tiny_llm.engine.config import ATTENTION_BACKENDS, EngineConfig
 from tiny_llm.engine.core import EngineCore
 from tiny_llm.engine.inputs import InputProcessor, Prompt
 from tiny_llm.engine.outputs import OutputRouter, RequestStream
-from tiny_llm.engine.runner import KernelSettings, ModelRunner
+from tiny_llm.engine.runner import KernelSettings, ModelRunner, ShardedModelRunner
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams
@@ -51,6 +53,7 @@ from tiny_llm.speculative import (
     load_draft_model,
 )
 from tiny_llm.step import AttentionBackend, AttentionGeometry
+from tiny_llm.tensor_parallel import Workers, join, serve_as_worker, shard_model, sharded_group
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -64,13 +67,23 @@ class LLMEngine:
         self.max_model_len = _max_model_len(cfg, model)
         if cfg.int8_activations:
             check_int8_activations(model)
+        workers = _tensor_parallel(cfg, model)  # a worker rank serves there and never returns
         backend = ATTENTION_BACKENDS[cfg.attention]
         page_size = cfg.page_size if cfg.kv_cache == "paged" else None
         backend.check(AttentionGeometry.of(model.config, page_size, model.dtype))  # before
         self.kv = _kv_space(cfg, model, self.max_model_len)  # ... any memory is allocated
         self.scheduler = _scheduler(cfg, self.kv)
-        kernels = KernelSettings(cfg.cpu_kernels, cfg.int8_activations, cfg.fused_layers)
-        self.runner = ModelRunner(model, self.kv, backend(self.kv), kernels)
+        # A fused decode op runs whole layers: it has no place for the all-reduces.
+        kernels = KernelSettings(cfg.cpu_kernels, cfg.int8_activations,
+                                 cfg.fused_layers and workers is None)
+        if workers is None:
+            self.runner = ModelRunner(model, self.kv, backend(self.kv), kernels)
+        else:
+            workers.start({"num_pages": self.kv.blocks.num_blocks, "page_size": cfg.page_size,
+                           "attention": cfg.attention, "cpu_kernels": kernels.cpu_kernels,
+                           "int8_activations": kernels.int8_activations})
+            atexit.register(workers.stop)
+            self.runner = ShardedModelRunner(model, self.kv, backend(self.kv), kernels, workers)
         self.outputs = OutputRouter()
         self.core = EngineCore(self.scheduler, self.runner,
                                _speculation(cfg, model, tokenizer, self.max_model_len),
@@ -88,8 +101,11 @@ class LLMEngine:
         from tiny_llm.loader import load, parse_dtype
 
         parse_dtype(dtype)  # reject bad options before loading weights
-        EngineConfig.from_options(options)
-        return cls(*load(model, dtype=dtype, dequantize=dequantize), **options)
+        cfg = EngineConfig.from_options(options)
+        shard = None
+        if cfg.tensor_parallel_size > 1:  # each rank reads its share only
+            shard = functools.partial(shard_model, group=join(cfg.tensor_parallel_size).group)
+        return cls(*load(model, dtype=dtype, dequantize=dequantize, shard=shard), **options)
 
     @property
     def model(self) -> Model:
@@ -221,6 +237,32 @@ def _max_model_len(cfg: EngineConfig, model: Model) -> int:
             f"({cfg.max_num_batched_tokens}) must be at least max_model_len ({max_model_len})"
         )
     return max_model_len
+
+
+def _tensor_parallel(cfg: EngineConfig, model: Model) -> Workers | None:
+    """Rank 0's workers when the model is split over ranks (sharding it here if it is still
+    whole); on any other rank, serve rank 0's steps until it ends, then exit."""
+    group = sharded_group(model)
+    if cfg.tensor_parallel_size == 1:
+        if group is not None:
+            raise ValueError(f"this model is sharded over {group.size()} ranks: pass "
+                             f"tensor_parallel_size={group.size()}")
+        return None
+    ranks = join(cfg.tensor_parallel_size)
+    if group is None:
+        shard_model(model, ranks.group)
+    if ranks.rank != 0:
+        serve_as_worker(ranks, lambda setup: _worker_runner(model, setup))
+    return Workers(ranks, cfg.tensor_parallel_timeout)
+
+
+def _worker_runner(model: Model, setup: dict[str, Any]) -> ModelRunner:
+    """A worker's runner, as rank 0 built its own: the same pages, backend and kernels."""
+    backend = ATTENTION_BACKENDS[setup["attention"]]
+    backend.check(AttentionGeometry.of(model.config, setup["page_size"], model.dtype))
+    kv = PagedKVSpace(model.config, setup["num_pages"], setup["page_size"], False, model.dtype)
+    kernels = KernelSettings(setup["cpu_kernels"], setup["int8_activations"], False)
+    return ModelRunner(model, kv, backend(kv), kernels)
 
 
 def _kv_space(cfg: EngineConfig, model: Model, max_model_len: int) -> DenseSlots | PagedKVSpace:

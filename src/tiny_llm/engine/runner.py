@@ -21,6 +21,7 @@ from tiny_llm.model import Model
 from tiny_llm.request import Request
 from tiny_llm.sampling import sample_next_tokens
 from tiny_llm.step import AttentionBackend, DenseLayout, PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.tensor_parallel import Workers
 
 import mlx.core as mx
 import numpy as np
@@ -50,11 +51,18 @@ class ModelRunner:
         """One forward over ``chunks``: the step's batch and the logits of its logit rows.
         ``layout``: the storage's layout, if not of these chunks' requests (the draft's)."""
         batch = StepBatch.build(chunks, self.kv.layout(chunks) if layout is None else layout)
+        return batch, self.forward(batch)
+
+    def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
+        """The model over ``batch``, evaluated with the step's K/V writes: the logits of
+        its logit rows, or with ``head=False`` the last layer's rows (a tensor-parallel
+        worker's share of the step: rank 0 alone computes logits)."""
         self.attention.begin_step(batch)
-        logits = self.model(batch.token_ids, batch.positions, self.attention,
-                            batch.logit_rows, self.kernel_plan(batch))
-        mx.eval(logits, self.attention.state())
-        return batch, logits
+        args = (batch.token_ids, batch.positions, self.attention)
+        out = (self.model(*args, batch.logit_rows, self.kernel_plan(batch)) if head
+               else self.model.hidden_states(*args, self.kernel_plan(batch)))
+        mx.eval(out, self.attention.state())
+        return out
 
     def sample(self, logits: mx.array, batch: StepBatch,
                verify: Callable[[Request, mx.array], list[int]] | None = None
@@ -113,3 +121,18 @@ class ModelRunner:
                 tokens[i] = verify(requests[i], logits[rows[i] : rows[i] + n])
         return tokens
     # ANCHOR_END: sample_with_drafts
+
+
+class ShardedModelRunner(ModelRunner):
+    """Rank 0's runner of a tensor-parallel model (``tensor_parallel.py``): each step goes
+    to the workers, then every rank runs it on its shard."""
+
+    def __init__(self, model: Model, kv: Any, attention: AttentionBackend,
+                 kernels: KernelSettings, workers: Workers):
+        super().__init__(model, kv, attention, kernels)
+        self.workers = workers
+
+    def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
+        self.workers.send_step(batch)
+        with self.workers.step():
+            return super().forward(batch, head)

@@ -1,0 +1,524 @@
+"""Beyond one machine: tensor parallelism over ``mx.distributed``.
+
+A model too large for one machine is split across ``N`` processes (ranks), one per
+machine, each holding ``1/N`` of every layer. The split is Megatron's, two all-reduces
+per layer:
+
+- **Attention by KV-head groups.** Rank ``r`` holds KV heads ``r*Hkv/N .. (r+1)*Hkv/N - 1``
+  and the query heads that read them: the output rows of q, k and v ("column" shards) and
+  the matching input columns of o_proj ("row" shards). Its attention is complete for its
+  heads; its o_proj product is a partial sum of the layer's output.
+- **The feed-forward by its intermediate dimension**: gate and up by rows, down by
+  columns. A Mixture-of-Experts layer splits every expert the same way and keeps the
+  router whole on every rank: each rank routes every token as the others do, no token
+  moves between ranks, and the work is equal by construction (experts placed on ranks
+  would need an all-to-all of token rows and would idle the ranks whose experts are cold).
+- **The embedding and the LM head stay whole**: a lookup is cheap, and only rank 0 needs
+  logits (it samples), so the other ranks skip the head.
+
+The partial sums meet in ``all_reduce``: every rank gathers every rank's partial and adds
+them in rank order. MLX's ring ``all_sum`` adds chunk by chunk in an order that depends
+on the array's length, so with three ranks or more a row's bits would depend on how many
+rows share the step; gathered and added in rank order, a row's sum depends only on that
+row, the engine's batch invariance survives, and every rank holds the same bits.
+
+**One scheduler, many workers.** Rank 0 runs the whole engine (scheduler, block manager,
+tokenizer, sampler, server). Each step it sends the step's layout (``StepBatch``: token
+ids, positions, block tables, slot mapping) to every other rank, and every rank runs the
+forward on its shard; the collectives inside keep them in step. Every rank's page pool
+has the same pages, holding its own KV heads only, so the block tables rank 0 writes mean
+the same on every rank, and a rank's pool holds ``N`` times the tokens of one machine's
+pool of the same bytes. Prefix caching, chunked prefill, preemption, speculation and
+aborts are rank 0's bookkeeping and work unchanged. The steps travel over a TCP
+connection of their own, not over ``mx.distributed``: the ring backend polls its sockets
+while it waits, which would keep a core busy on every worker for as long as the engine
+is idle.
+
+**Faults.** A worker that dies breaks the ring: rank 0's step fails with
+``TensorParallelError`` naming it. A step that does not finish within
+``tensor_parallel_timeout`` seconds (a rank hung or stopped) ends rank 0 with that error
+on stderr, since its main thread is blocked inside a collective. A worker whose rank 0
+has gone exits. Options and the model's geometry are checked on every rank, before any
+weight is read, with the same error on each.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from math import gcd
+from typing import Any
+
+from tiny_llm.model import MLP, Model, ModelConfig
+from tiny_llm.moe import SparseMoeBlock
+from tiny_llm.step import PagedLayout, ScheduledChunk, StepBatch
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+CONNECT_TIMEOUT = 120.0  # seconds for every worker to reach rank 0 at start-up
+EXIT_GRACE = 2.0  # seconds a blocked step gets to fail on its own once a worker is gone
+
+
+class TensorParallelError(RuntimeError):
+    """The ranks can no longer serve together (a worker died, or rank 0 went away)."""
+
+
+# ANCHOR: tp_geometry
+def valid_sizes(config: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes that split this model evenly: divisors of every head
+    count and every feed-forward width."""
+    common = 0
+    for n in (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+              config.moe_intermediate_size, config.shared_expert_intermediate_size):
+        common = gcd(common, n)
+    return [d for d in range(1, common + 1) if common % d == 0]
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Raise ValueError unless ``size`` ranks can each hold whole KV heads and an equal
+    share of every layer."""
+    if size in valid_sizes(config):
+        return
+    widths = f"an MLP of {config.intermediate_size}"
+    if config.num_experts:
+        widths += f", experts of {config.moe_intermediate_size}"
+    if config.shared_expert_intermediate_size:
+        widths += f", a shared expert of {config.shared_expert_intermediate_size}"
+    raise ValueError(
+        f"tensor_parallel_size={size} does not divide this model: every rank holds whole KV "
+        f"heads and an equal share of each layer, and it has {config.num_attention_heads} "
+        f"attention heads, {config.num_key_value_heads} KV heads and {widths}; valid "
+        f"sizes: {', '.join(map(str, valid_sizes(config)))}")
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The model one rank holds: its heads and its share of each feed-forward."""
+    return replace(
+        config, head_dim=config.head_dim,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=config.num_key_value_heads // size,
+        intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
+        shared_expert_intermediate_size=config.shared_expert_intermediate_size // size)
+# ANCHOR_END: tp_geometry
+
+
+# ANCHOR: shard_linear
+def shard_linear(layer: nn.Module, split: str, rank: int, size: int) -> None:
+    """Keep rank ``rank``'s share of ``layer`` (a linear layer, quantized or not, or a
+    stack of experts' ``[E, out, in]``): ``split="column"`` keeps a slice of its output
+    features, ``"row"`` a slice of its input features (a row shard's output is a partial
+    sum). Quantized weights are sliced as stored: packed words and their groups' scales
+    and biases, which needs the slice to hold whole groups."""
+    # TASK 8.1: shard_linear — Sharding a linear layer
+    if split == "row" and "bias" in layer:
+        raise ValueError("a row-sharded layer's bias would be added once per rank")
+    for name, value in layer.parameters().items():
+        axis = -1 if (split == "row" or name == "bias") else -2
+        width = value.shape[axis]
+        if width % size:
+            what = "its groups of quantized weights" if name in ("scales", "biases") else name
+            raise ValueError(f"cannot split {what} ({width} along axis {axis}) {size} ways")
+        step = width // size
+        index = [slice(None)] * value.ndim
+        index[axis] = slice(rank * step, (rank + 1) * step)
+        layer[name] = mx.contiguous(value[tuple(index)])
+    # END TASK
+# ANCHOR_END: shard_linear
+
+
+# ANCHOR: all_reduce
+def all_reduce(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    """The sum of every rank's ``x``, added in rank order: the same bits on every rank,
+    and a row's sum depends only on that row."""
+    # TASK 8.2: all_reduce — Where the partial sums meet
+    parts = mx.distributed.all_gather(x, group=group)  # rank r's rows at r * len(x)
+    parts = parts.reshape(group.size(), *x.shape)
+    total = parts[0]
+    for r in range(1, group.size()):
+        total = total + parts[r]
+    return total
+    # END TASK
+
+
+class AllReduce(nn.Module):
+    """A sharded module whose output is this rank's partial sum, summed over the ranks."""
+
+    def __init__(self, module: nn.Module, group: mx.distributed.Group):
+        super().__init__()
+        self.module = module
+        self.group = group
+
+    def __call__(self, *args: Any) -> mx.array:
+        return all_reduce(self.module(*args), self.group)
+# ANCHOR_END: all_reduce
+
+
+# ANCHOR: shard_model
+def shard_model(model: Model, group: mx.distributed.Group) -> None:
+    """Keep this rank's share of every layer of ``model`` (in place; given a model whose
+    weights are not evaluated yet, each tensor is read once and only its share is kept)
+    and sum the partials after each attention and each feed-forward."""
+    rank, size = group.rank(), group.size()
+    check_tensor_parallel(model.config, size)
+    for block in model.model.layers:
+        attn = block.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            shard_linear(proj, "column", rank, size)
+        shard_linear(attn.o_proj, "row", rank, size)
+        attn.n_heads //= size
+        attn.n_kv_heads //= size
+        block.self_attn = AllReduce(attn, group)
+        mlp = block.mlp
+        mlps = [mlp] if isinstance(mlp, MLP) else [mlp.switch_mlp]
+        if isinstance(mlp, SparseMoeBlock) and "shared_expert" in mlp:
+            mlps.append(mlp.shared_expert)
+        for m in mlps:
+            shard_linear(m.gate_proj, "column", rank, size)
+            shard_linear(m.up_proj, "column", rank, size)
+            shard_linear(m.down_proj, "row", rank, size)
+        block.mlp = AllReduce(mlp, group)
+    model.config = local_config(model.config, size)
+    model.tensor_parallel = group
+    # Now, not lazily: the whole weights are dropped, and a lazy array belongs to this
+    # thread's stream (the server runs the engine on another thread).
+    mx.eval(model.parameters())
+# ANCHOR_END: shard_model
+
+
+def sharded_group(model: Model) -> mx.distributed.Group | None:
+    """The group ``model`` is sharded over (None: a whole model)."""
+    return getattr(model, "tensor_parallel", None)
+
+
+# ---------------------------------------------------------------- the ranks
+
+@functools.cache
+def join(size: int) -> Ranks:
+    """This process's place among ``size`` ranks started by ``mlx.launch``, connected to
+    rank 0 (rank 0: connected to every worker). Once per process."""
+    if "MLX_RANK" not in os.environ:
+        raise ValueError(
+            f"tensor_parallel_size={size} runs one process per rank: start them with "
+            f"`mlx.launch -n {size} --backend ring -- <this command>` (several machines: "
+            f"--hostfile; see the book's 'Beyond one machine')")
+    group = mx.distributed.init(strict=True, backend="ring")
+    if group.size() != size:
+        raise ValueError(f"tensor_parallel_size={size}, but mlx.launch started "
+                         f"{group.size()} processes")
+    return Ranks(group, _connect(group))
+
+
+@dataclass
+class Ranks:
+    group: mx.distributed.Group
+    channels: dict[int, Channel]  # rank 0: one per worker; a worker: {0: rank 0}
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+
+def _connect(group: mx.distributed.Group) -> dict[int, Channel]:
+    """Rank 0 listens on an ephemeral port of the address ``mlx.launch`` gave it and tells
+    the workers the port and a one-time token through one collective; each worker
+    connects and names itself."""
+    host = _rank0_host()
+    rank, size = group.rank(), group.size()
+    listener = None
+    word = np.zeros(4, np.int32)
+    if rank == 0:
+        listener = socket.create_server((host, 0))
+        word = np.array([listener.getsockname()[1], *np.frombuffer(secrets.token_bytes(12),
+                                                                   np.int32)], np.int32)
+    word = np.array(mx.distributed.all_sum(mx.array(word), group=group, stream=mx.cpu))
+    port, token = int(word[0]), word[1:].tobytes().hex()
+    if rank != 0:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+        sock.settimeout(None)
+        channel = Channel(sock)
+        channel.send({"rank": rank, "token": token})
+        return {0: channel}
+    channels = {}
+    listener.settimeout(CONNECT_TIMEOUT)
+    try:
+        while len(channels) < size - 1:
+            sock, _ = listener.accept()
+            sock.settimeout(CONNECT_TIMEOUT)
+            channel = Channel(sock)
+            hello, _ = channel.receive()
+            sock.settimeout(None)
+            if hello.get("token") == token and hello.get("rank") in range(1, size):
+                channels[hello["rank"]] = channel
+    except TimeoutError:
+        missing = sorted(set(range(1, size)) - set(channels))
+        raise TensorParallelError(f"worker rank(s) {missing} did not connect to rank 0 "
+                                  f"within {CONNECT_TIMEOUT:g} s") from None
+    finally:
+        listener.close()
+    return channels
+
+
+def _rank0_host() -> str:
+    """Rank 0's address, as ``mlx.launch`` wrote it in the ring's hostfile."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return "127.0.0.1"
+    with open(path) as f:
+        text = f.read().strip()
+    return json.loads(text)[0][0].rsplit(":", 1)[0] if text else "127.0.0.1"
+
+
+class Channel:
+    """One TCP connection between rank 0 and a worker. A message is a JSON header and
+    any number of numpy arrays (their dtypes and shapes in the header), length-prefixed."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+    def send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        head = json.dumps({**header, "_arrays": [(a.dtype.str, a.shape) for a in arrays]})
+        payload = b"".join([head.encode(), *(a.tobytes() for a in arrays)])
+        self.sock.sendall(struct.pack("!QI", len(payload), len(head.encode())) + payload)
+
+    def receive(self) -> tuple[dict[str, Any], list[np.ndarray]] | tuple[None, None]:
+        """The next message, or ``(None, None)`` once the other side has closed."""
+        prefix = self._read(12)
+        if prefix is None:
+            return None, None
+        total, head_len = struct.unpack("!QI", prefix)
+        payload = self._read(total)
+        if payload is None:
+            return None, None
+        header = json.loads(payload[:head_len])
+        arrays, offset = [], head_len
+        for dtype, shape in header.pop("_arrays"):
+            a = np.frombuffer(payload, np.dtype(dtype), int(np.prod(shape)), offset)
+            arrays.append(a.reshape(shape))
+            offset += arrays[-1].nbytes
+        return header, arrays
+
+    def _read(self, n: int) -> bytes | None:
+        chunks, left = [], n
+        while left:
+            try:
+                chunk = self.sock.recv(min(left, 1 << 20))
+            except (ConnectionError, OSError):
+                return None
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+
+# ANCHOR: step_message
+def step_message(batch: StepBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """What a worker needs of a step: its rows and where their K/V live (no requests,
+    no sampling: rank 0 samples)."""
+    # TASK 8.3: step_message — Sending the step to the workers
+    kv = batch.kv
+    header = {"chunks": [[c.start, c.end] for c in batch.chunks],
+              "query_start_loc": batch.query_start_loc, "context_lens": batch.context_lens,
+              "decode_rows": batch.decode_rows, "tables": kv.tables}
+    arrays = [batch.token_ids, batch.positions, kv.slot_mapping, *kv.page_metadata]
+    return header, [np.array(a) for a in arrays]
+    # END TASK
+
+
+def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBatch:
+    """The worker's copy of rank 0's step: the same rows, pages and layout."""
+    token_ids, positions, slot_mapping, block_table, context_lens, query_start_loc = (
+        mx.array(a) for a in arrays)
+    return StepBatch(
+        chunks=[ScheduledChunk(None, start, end) for start, end in header["chunks"]],
+        token_ids=token_ids, positions=positions,
+        query_start_loc=header["query_start_loc"], context_lens=header["context_lens"],
+        logit_rows=mx.array([], dtype=mx.int32), sampling=[], num_logits=[],
+        decode_rows=header["decode_rows"],
+        kv=PagedLayout(header["tables"], slot_mapping, block_table, context_lens,
+                       query_start_loc))
+# ANCHOR_END: step_message
+
+
+# ---------------------------------------------------------------- rank 0
+
+class Workers:
+    """Rank 0's side: the workers' connections, each step sent to them, and a watchdog
+    that ends rank 0 when a step is stuck in a collective."""
+
+    def __init__(self, ranks: Ranks, timeout: float):
+        self.channels, self.timeout = ranks.channels, timeout
+        self.lost: set[int] = set()
+        self.kv_cache_bytes: dict[int, int] = {}  # each worker's page pool
+        self.failure: TensorParallelError | None = None
+        self._step_started: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self, setup: dict[str, Any]) -> None:
+        """Send every worker the engine it builds (pool size, backend, kernels); wait until
+        each has built it; then watch them."""
+        for channel in self.channels.values():
+            channel.send(setup)
+        for rank, channel in self.channels.items():
+            reply, _ = channel.receive()
+            if reply is None or "error" in reply:
+                why = "exited" if reply is None else reply["error"]
+                raise TensorParallelError(f"worker rank {rank} could not start: {why}")
+            self.kv_cache_bytes[rank] = reply["kv_cache_bytes"]
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def send_step(self, batch: StepBatch) -> None:
+        if self.failure is not None:
+            raise self.failure
+        header, arrays = step_message(batch)
+        for rank, channel in self.channels.items():
+            try:
+                channel.send(header, arrays)
+            except OSError:
+                self._lose(rank)
+                raise self.failure from None
+
+    @contextmanager
+    def step(self):
+        """A step in flight: collectives that fail become a ``TensorParallelError``."""
+        with self._lock:
+            self._step_started = time.monotonic()
+        try:
+            yield
+        except RuntimeError as e:
+            if "[ring]" not in str(e):
+                raise
+            self._find_lost(wait=1.0)  # a closed connection says which worker exited
+            if self.failure is None:
+                self.failure = TensorParallelError(f"a tensor-parallel step failed: {e}")
+            raise self.failure from e
+        finally:
+            with self._lock:
+                self._step_started = None
+
+    def stop(self) -> None:
+        """Tell every worker to exit (at rank 0's end)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for channel in self.channels.values():
+            try:
+                channel.send({"stop": True})
+            except OSError:
+                pass
+
+    def _lose(self, rank: int) -> None:
+        self.lost.add(rank)
+        self.failure = TensorParallelError(f"tensor-parallel worker rank {rank} has exited; "
+                                           f"rank 0 cannot serve without its shard")
+
+    def _find_lost(self, wait: float) -> None:
+        """Mark the workers whose connection has closed (they exited), waiting up to
+        ``wait`` seconds for one to."""
+        socks = {c.sock: r for r, c in self.channels.items() if r not in self.lost}
+        readable, _, _ = select.select(list(socks), [], [], wait) if socks else ([], [], [])
+        for sock in readable:
+            if _closed(sock):
+                self._lose(socks[sock])
+
+    def _watch(self) -> None:
+        """A worker's connection closing means it exited; a step older than the timeout
+        means a rank is stuck. Either way, if rank 0 is blocked in a step, end it."""
+        lost_at: float | None = None
+        while not self._stopped:
+            known = len(self.lost)
+            self._find_lost(wait=0.25)
+            if len(self.lost) > known:
+                lost_at = time.monotonic()
+            with self._lock:
+                started = self._step_started
+            now = time.monotonic()
+            if started is not None and now - started > self.timeout:
+                _exit(f"a tensor-parallel step did not finish within {self.timeout:g} s "
+                      f"(tensor_parallel_timeout): a rank is stuck, stopped or too slow"
+                      f"{f' ({self.failure})' if self.failure else ''}; rank 0 exits")
+            if started is not None and lost_at is not None and now - lost_at > EXIT_GRACE:
+                _exit(f"{self.failure}; rank 0 exits")
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the other side of a readable connection has closed it."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _exit(message: str) -> None:
+    sys.stderr.write(f"tiny-llm: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# ---------------------------------------------------------------- the workers
+
+def serve_as_worker(ranks: Ranks, build_runner) -> None:
+    """A worker's whole life: build the engine's shard as rank 0 says, then run every
+    step rank 0 sends, until it says stop (exit 0) or goes away (exit 1). Never returns."""
+    channel = ranks.channels[0]
+    setup, _ = channel.receive()
+    if setup is None:
+        _exit(f"rank 0 went away before the engine started (worker rank {ranks.rank})")
+    try:
+        runner = build_runner(setup)
+    except Exception as e:  # rank 0 reports it; the worker ends
+        channel.send({"error": f"{type(e).__name__}: {e}"})
+        _exit(f"worker rank {ranks.rank} could not start: {e}")
+    channel.send({"kv_cache_bytes": runner.kv.nbytes()})
+    gone = f"rank 0 went away (worker rank {ranks.rank} stops)"
+    in_step = threading.Event()
+    threading.Thread(target=_watch_rank0, args=(channel.sock, in_step, gone),
+                     name="tp-rank0-watch", daemon=True).start()
+    while True:
+        header, arrays = channel.receive()
+        if header is None:
+            _exit(gone)
+        if header.get("stop"):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        in_step.set()
+        try:
+            runner.forward(step_of_message(header, arrays), head=False)
+        except Exception as e:  # rank 0's step fails with it: the ring breaks as we exit
+            _exit(f"worker rank {ranks.rank}: a step failed ({type(e).__name__}: {e})")
+        in_step.clear()
+
+
+def _watch_rank0(sock: socket.socket, in_step: threading.Event, gone: str) -> None:
+    """End a worker whose rank 0 has gone while it is blocked in a step's collective (a
+    broken ring does not always fail the collectives that wait on it)."""
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.25)
+        if not readable:
+            continue
+        if not _closed(sock):  # the next step, waiting for the main thread
+            time.sleep(0.05)
+            continue
+        deadline = time.monotonic() + EXIT_GRACE
+        while in_step.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if in_step.is_set():
+            _exit(gone)
+        return  # the main thread reads the end itself

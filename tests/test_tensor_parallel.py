@@ -1,0 +1,401 @@
+"""Tensor parallelism (``tiny_llm/tensor_parallel.py``), with real processes.
+
+In one process: the shards' partial sums add up to the whole layer (dense, biased,
+quantized, MoE with a shared expert), and geometries that do not divide are refused with
+the valid sizes. With real ranks over the ring backend on 127.0.0.1 (``LocalRanks``, as
+``mlx.launch`` starts them): a tiny model with 4 KV heads on 2 ranks serves a mixed batch
+with chunked prefill, prefix hits and preemption with the single-process engine's greedy
+tokens (log-probabilities within ``LOGPROB_ATOL``: the all-reduce adds in another order
+than one matmul does), alone equals batched exactly, each rank's pool is half the bytes;
+the default model on 3 ranks answers the OpenAI client through ``serve``; a killed or a
+stopped worker ends rank 0 with an error naming it, within a bounded time; rank 0's end
+ends the workers; bad options are refused on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+from tiny_llm.engine import LLMEngine
+from tiny_llm.model import Attention
+from tiny_llm.sampling import SamplingParams
+from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
+from tiny_llm.testing.models import make_tiny_model
+from tiny_llm.testing.ranks import LocalRanks, free_ports
+from tiny_llm.testing.runs import workload
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+LOGPROB_ATOL = 1e-4
+TINY = dict(num_attention_heads=8, num_key_value_heads=4, seed=3)  # 4 KV heads: 1, 2 or 4 ranks
+OPTIONS = dict(num_pages=14, max_num_batched_tokens=32, max_num_seqs=8)  # chunks, preemption
+
+
+class FakeGroup:
+    """A rank's place without processes (sharding only reads rank and size)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def shards_of(n: int, **kw) -> list:
+    models = [make_tiny_model(**kw) for _ in range(n)]
+    for r, m in enumerate(models):
+        shard_model(m, FakeGroup(r, n))
+    return models
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("qwen3", {}),
+    ("qwen2", {}),  # q/k/v biases: column shards keep their slice of the bias
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64)),
+])
+def test_the_shards_partial_sums_add_up_to_the_whole_layer(family, kw):
+    kw = dict(TINY, model_type=family, **kw)
+    whole, shards = make_tiny_model(**kw), shards_of(2, **kw)
+    x = mx.random.normal((7, whole.config.hidden_size), key=mx.random.key(1))
+    positions = mx.arange(7)
+    for i, block in enumerate(whole.model.layers):
+        parts = [s.model.layers[i] for s in shards]
+        attn = block.self_attn(x, positions, _cache(block.self_attn))
+        split = sum(p.self_attn.module(x, positions, _cache(p.self_attn.module)) for p in parts)
+        np.testing.assert_allclose(np.array(split), np.array(attn), atol=1e-4)
+        ff = block.mlp(x)
+        np.testing.assert_allclose(np.array(sum(p.mlp.module(x) for p in parts)), np.array(ff),
+                                   atol=1e-4)
+    assert shards[0].config.num_key_value_heads == 2
+    assert shards[0].config.num_attention_heads == 4
+
+
+def _cache(attn: Attention):
+    from tiny_llm.kv_cache import DenseKVCache
+
+    return DenseKVCache(attn.layer + 1)
+
+
+def test_quantized_layers_are_split_as_stored():
+    """Packed words, scales and biases are sliced together: the row shards' products of a
+    4-bit layer add up to the whole layer's, and a slice that would cut a group is refused."""
+    layer = nn.QuantizedLinear(128, 48, bias=False, group_size=32, bits=4)
+    x = mx.random.normal((3, 128), key=mx.random.key(2))
+    parts = []
+    for r in range(2):
+        shard = nn.QuantizedLinear(128, 48, bias=False, group_size=32, bits=4)
+        shard.update(layer.parameters())
+        shard_linear(shard, "row", r, 2)
+        parts.append(mx.quantized_matmul(x[:, r * 64:(r + 1) * 64], shard.weight, shard.scales,
+                                         shard.biases, group_size=32, bits=4))
+    np.testing.assert_allclose(np.array(parts[0] + parts[1]), np.array(layer(x)), atol=1e-4)
+    with pytest.raises(ValueError, match="groups of quantized weights"):
+        shard_linear(layer, "row", 0, 8)  # 4 groups over 8 ranks
+
+
+def test_a_geometry_that_does_not_divide_is_refused_with_the_valid_sizes():
+    from tiny_llm.model import ModelConfig
+
+    smollm2 = ModelConfig("llama", 576, 30, 1536, 9, 3, 49152)
+    assert valid_sizes(smollm2) == [1, 3]
+    with pytest.raises(ValueError, match=r"9 attention heads, 3 KV heads.*valid sizes: 1, 3"):
+        check_tensor_parallel(smollm2, 2)
+    check_tensor_parallel(smollm2, 3)
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_tensor_parallelism_outside_mlx_launch_says_how_to_start_it(smollm_tokenizer,
+                                                                   monkeypatch):
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    with pytest.raises(ValueError, match=r"mlx.launch -n 2 --backend ring"):
+        LLMEngine(make_tiny_model(**TINY), smollm_tokenizer, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache='paged'"):
+        LLMEngine(make_tiny_model(**TINY), smollm_tokenizer, tensor_parallel_size=2,
+                  kv_cache="dense")
+
+
+# ------------------------------------------------------------------ real ranks
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import test_tensor_parallel as t
+    result = t.mixed_run(int(sys.argv[2]))
+    if result is not None:
+        json.dump(result, open(sys.argv[3], "w"))
+""")
+
+
+def tokenizer():
+    from tiny_llm.loader import default_model_path
+    from tiny_llm.tokenizer import Tokenizer
+
+    _, meta = mx.load(str(default_model_path()), return_metadata=True)
+    return Tokenizer.from_gguf_metadata(meta)
+
+
+def mixed_run(tensor_parallel_size: int) -> dict:
+    """The mixed batch (and two of its requests alone afterwards) on one engine; the
+    record rank 0 returns (a worker never returns from the engine's constructor)."""
+    engine = LLMEngine(make_tiny_model(**TINY), tokenizer(),
+                       tensor_parallel_size=tensor_parallel_size, **OPTIONS)
+    prompts, params = workload(12, seed=5, shared_prefix=32, max_tokens=(4, 12), hi=40)
+    params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True,
+                             logprobs=2) for p in params]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    alone = [engine.generate([prompts[i]], [params[i]], use_tqdm=False)[0] for i in (0, 7)]
+
+    def record(out) -> dict:
+        o = out.outputs[0]
+        return {"tokens": o.token_ids, "logprobs": [lp.logprob for lp in o.logprobs]}
+
+    workers = getattr(engine.runner, "workers", None)
+    return {"batched": [record(o) for o in outs], "alone": [record(o) for o in alone],
+            "stats": engine.stats(),
+            "worker_kv_bytes": None if workers is None else workers.kv_cache_bytes}
+
+
+def test_two_ranks_serve_a_mixed_batch_as_one_process_does(tmp_path):
+    """Chunked prefill, prefix hits and preemption on 2 ranks: the single process's
+    schedule and greedy tokens, log-probabilities within LOGPROB_ATOL; a request alone gets
+    its batched tokens; half the pool bytes on every rank; the workers exit 0 when rank 0
+    ends."""
+    ranks = LocalRanks(2, ["-c", RANK_SCRIPT, str(TESTS), "2", str(tmp_path / "tp.json")],
+                       tmp_path)
+    single = mixed_run(1)
+    codes = ranks.wait(120)
+    assert codes == [0, 0], ranks.output(0)[-3000:] + ranks.output(1)[-3000:]
+    tp = json.loads((tmp_path / "tp.json").read_text())
+    stats = single["stats"]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert {k: v for k, v in tp["stats"].items() if k != "kv_cache_bytes"} == {
+        k: v for k, v in stats.items() if k != "kv_cache_bytes"}  # the same schedule
+    for mine, theirs in zip(tp["batched"], single["batched"], strict=True):
+        assert mine["tokens"] == theirs["tokens"]
+        np.testing.assert_allclose(mine["logprobs"], theirs["logprobs"], atol=LOGPROB_ATOL)
+    for alone, batched in zip(tp["alone"], [tp["batched"][0], tp["batched"][7]], strict=True):
+        assert alone["tokens"] == batched["tokens"]  # prefill chunks differ: logprobs may move
+        np.testing.assert_allclose(alone["logprobs"], batched["logprobs"], atol=LOGPROB_ATOL)
+    assert tp["stats"]["kv_cache_bytes"] * 2 == stats["kv_cache_bytes"]
+    assert tp["worker_kv_bytes"] == {"1": tp["stats"]["kv_cache_bytes"]}
+
+
+ALL_REDUCE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import tiny_llm
+    import mlx.core as mx
+    from tiny_llm.tensor_parallel import all_reduce
+    group = mx.distributed.init(strict=True, backend="ring")
+    x = mx.random.normal((40, 96), key=mx.random.key(group.rank()))
+    ours, ring = [], []
+    for rows in (1, 3, 17, 40):
+        ours.append(mx.array_equal(all_reduce(x[:rows], group)[:1], all_reduce(x, group)[:1]))
+        ring.append(mx.array_equal(mx.distributed.all_sum(x[:rows], group=group)[:1],
+                                   mx.distributed.all_sum(x, group=group)[:1]))
+        mx.eval(ours, ring)  # every rank, in one order: collectives pair up across ranks
+    every = mx.distributed.all_gather(all_reduce(x, group)[None], group=group)
+    same = all(mx.array_equal(every[0], every[r]).item() for r in range(group.size()))
+    if group.rank() == 0:
+        json.dump({"ours": [a.item() for a in ours], "ring": [a.item() for a in ring],
+                   "same_on_every_rank": same}, open(sys.argv[1], "w"))
+""")
+
+
+def test_the_all_reduce_gives_a_row_the_same_bits_in_any_batch_on_every_rank(tmp_path):
+    """On 3 ranks a row's sum is the same bits whatever rows share the call, and the same
+    on every rank; MLX's ring all_sum (the negative control) is not row-invariant."""
+    ranks = LocalRanks(3, ["-c", ALL_REDUCE_SCRIPT, str(tmp_path / "r.json")], tmp_path)
+    assert ranks.wait(60) == [0, 0, 0], ranks.output(0)[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["ours"] == [True] * 4 and result["same_on_every_rank"]
+    assert not all(result["ring"])
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import test_tensor_parallel as t
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.sampling import SamplingParams
+    engine = LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
+                       tensor_parallel_timeout=float(sys.argv[2]), num_pages=1024)
+    print("serving", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    engine.generate([[1, 2, 3]] * 4, params, use_tqdm=False)
+    print("finished?!", flush=True)
+""")
+
+
+def started(ranks: LocalRanks, marker: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while marker not in ranks.output(0):
+        assert ranks.procs[0].poll() is None, ranks.output(0)[-3000:]
+        assert time.monotonic() < deadline, "rank 0 did not start"
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the steps
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_lost_worker_ends_rank_0_with_an_error_naming_it(tmp_path, fault):
+    """SIGKILL: the ring breaks and rank 0's step fails naming rank 1. SIGSTOP: the step
+    hangs in a collective and rank 0 exits once ``tensor_parallel_timeout`` (3 s) is up."""
+    timeout = "30" if fault == "killed" else "3"  # a loss is found without the timeout
+    ranks = LocalRanks(2, ["-c", FAULT_SCRIPT, str(TESTS), timeout], tmp_path)
+    try:
+        started(ranks, "serving")
+        ranks.procs[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        code = ranks.procs[0].wait(30)
+        took = time.monotonic() - start
+    finally:
+        ranks.kill()
+    out = ranks.output(0)
+    assert code != 0 and "finished?!" not in out
+    if fault == "killed":
+        assert "worker rank 1 has exited" in out, out[-3000:]
+        assert took < 10
+    else:
+        assert "did not finish within 3 s" in out, out[-3000:]
+        assert 3 <= took < 10
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_a_worker_ends_when_rank_0_dies(tmp_path):
+    ranks = LocalRanks(2, ["-c", FAULT_SCRIPT, str(TESTS), "30"], tmp_path)
+    try:
+        started(ranks, "serving")
+        ranks.procs[0].kill()
+        code = ranks.procs[1].wait(20)
+    finally:
+        ranks.kill()
+    out = ranks.output(1)
+    assert code == 1 and ("rank 0 went away" in out or "a step failed" in out), out[-3000:]
+
+
+SERVE_TINY_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import test_tensor_parallel as t
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.server import serve
+    engine = LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
+                       num_pages=64)
+    serve(engine, "tiny", port=int(sys.argv[2]), shutdown_timeout=1.0)
+""")
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_a_server_whose_worker_died_answers_503_and_stops(tmp_path):
+    """A worker killed while the server is idle: the next request gets a 503 naming it,
+    and rank 0 ends instead of failing every later request one by one."""
+    import openai
+
+    port = free_ports(1)[0]
+    ranks = LocalRanks(2, ["-c", SERVE_TINY_SCRIPT, str(TESTS), str(port)], tmp_path)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        _wait_healthy(client, ranks)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).choices
+        ranks.procs[1].kill()
+        time.sleep(1.0)  # the watchdog sees the connection close
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        code = ranks.procs[0].wait(30)
+    finally:
+        ranks.kill()
+    assert failed.value.status_code == 503
+    assert "worker rank 1 has exited" in failed.value.message
+    assert code is not None
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+@pytest.mark.parametrize("n,args,message", [
+    (2, ["--tensor-parallel-timeout", "0"], "tensor_parallel_timeout must be"),  # no load
+    (2, [], "valid sizes: 1, 3"),  # the default model's 3 KV heads over 2 ranks
+    (3, [], "mlx.launch started 3 processes"),  # 2 ranks asked, 3 started
+])
+def test_bad_options_are_refused_on_every_rank(tmp_path, n, args, message):
+    generate = ["-m", "tiny_llm.cli", "generate", "--prompt", "hi", "--tensor-parallel-size",
+                "2", *args]
+    ranks = LocalRanks(n, generate, tmp_path)
+    assert ranks.wait(120) == [2] * n
+    for r in range(n):
+        assert message in ranks.output(r), ranks.output(r)[-3000:]
+
+
+SERVE_ARGS = ["-m", "tiny_llm.cli", "serve", "--tensor-parallel-size", "3", "--num-pages", "64",
+              "--served-model-name", "m",
+              "--max-num-batched-tokens", "64"]
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_serve_on_three_ranks_answers_the_openai_client(tmp_path):
+    """The default model split over 3 ranks: the single process's greedy replies, streamed
+    or not; three requests at once get the tokens each gets alone; SIGTERM to rank 0 ends
+    every rank."""
+    from tiny_llm.engine import LLM
+
+    import openai
+
+    port = free_ports(1)[0]
+    ranks = LocalRanks(3, [*SERVE_ARGS, "--port", str(port)], tmp_path)
+    questions = ["What is the capital of France?", "Name a colour.", "Say hi."]
+    try:
+        single = LLM(num_pages=64).chat([[{"role": "user", "content": q}] for q in questions],
+                                        SamplingParams(temperature=0, max_tokens=8),
+                                        use_tqdm=False)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        _wait_healthy(client, ranks)
+
+        def ask(q: str, stream: bool = False):
+            return client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": q}], temperature=0,
+                max_tokens=8, logprobs=True, top_logprobs=2, stream=stream)
+
+        alone = [ask(q) for q in questions]
+        for reply, want in zip(alone, single, strict=True):
+            assert reply.choices[0].message.content == want.outputs[0].text
+        streamed = "".join(c.choices[0].delta.content or "" for c in ask(questions[0], True)
+                           if c.choices)
+        assert streamed == single[0].outputs[0].text
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(ask, questions))
+        for a, b in zip(alone, together, strict=True):
+            mine, theirs = a.choices[0].logprobs.content, b.choices[0].logprobs.content
+            assert [t.token for t in mine] == [t.token for t in theirs]
+            np.testing.assert_allclose([t.logprob for t in mine], [t.logprob for t in theirs],
+                                       atol=LOGPROB_ATOL)
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        codes = ranks.wait(60)
+    finally:
+        ranks.kill()
+    assert codes == [0, 0, 0], ranks.output(0)[-3000:]
+
+
+def _wait_healthy(client, ranks: LocalRanks) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            client.models.list()
+            return
+        except Exception:
+            for r, proc in enumerate(ranks.procs):
+                assert proc.poll() is None, ranks.output(r)[-3000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
