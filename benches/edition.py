@@ -20,6 +20,12 @@ script measures the GPU.
     python benches/edition.py --list          # the scripts it would run, in order
     python benches/edition.py                 # all of them (hours on a 2-core CPU)
     python benches/edition.py --only bench_model   # redo one script, the engine unchanged
+    python benches/edition.py --add bench_tensor_parallel   # a new chapter's script
+
+``--add`` measures a script the edition never ran (a chapter written after it) at the
+current commit and keeps every other result: that script's tables compare only
+configurations it measured itself, side by side, so they stand on their own engine; the
+edition's table names it and its commit.
 """
 
 from __future__ import annotations
@@ -98,9 +104,10 @@ def git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
 
 
-def earlier_edition(machine: Table) -> dict:
-    """The edition that ``--only`` redoes scripts of: on this machine, with the engine
-    (``src/``) unchanged since it, so that every result still measures one engine."""
+def earlier_edition(machine: Table, same_engine: bool) -> dict:
+    """The edition that ``--only`` redoes scripts of (or ``--add`` adds to): on this
+    machine; for ``--only`` with the engine (``src/``) unchanged since it, so that every
+    result still measures one engine."""
     path = REPO_ROOT / "benchmark_results" / "edition.json"
     if not path.exists():
         raise SystemExit("--only redoes scripts of an edition: run a whole one first")
@@ -108,7 +115,7 @@ def earlier_edition(machine: Table) -> dict:
     if edition["tables"][0]["rows"][0] != machine.rows[0]:
         raise SystemExit("the edition was measured on another CPU: run a whole edition here")
     commit = edition["data"]["engine_commit"]
-    if git("diff", "--quiet", commit, "HEAD", "--", "src").returncode != 0:
+    if same_engine and git("diff", "--quiet", commit, "HEAD", "--", "src").returncode != 0:
         raise SystemExit(f"the engine (src/) changed since the edition's commit {commit}: "
                          "a new edition measures every script")
     return edition
@@ -119,16 +126,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every script (>= 3)")
     ap.add_argument("--only", nargs="+", metavar="NAME",
                     help="redo these scripts of the last edition (the engine unchanged)")
+    ap.add_argument("--add", nargs="+", metavar="NAME",
+                    help="measure scripts the last edition did not run (a new chapter's), "
+                         "at this commit, keeping the others' results")
     ap.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench, for its table")
     ap.add_argument("--list", action="store_true", help="print the scripts, run nothing")
     args = ap.parse_args()
     names = cited_results()
-    if args.only:
-        unknown = sorted(set(args.only) - set(names))
+    chosen = args.only or args.add
+    if args.only and args.add:
+        raise SystemExit("--only redoes scripts, --add adds new ones: one at a time")
+    if chosen:
+        unknown = sorted(set(chosen) - set(names))
         if unknown:
             raise SystemExit(f"not results the book cites: {unknown}; it cites {names}")
     if args.list:
-        print("\n".join(n for n in names if not args.only or n in args.only))
+        print("\n".join(n for n in names if not chosen or n in chosen))
         return
     if args.rounds < 3:
         raise SystemExit("an edition needs at least 3 rounds (the book's test refuses fewer)")
@@ -137,19 +150,30 @@ def main() -> None:
     machine = machine_table()
     commit = environment()["git_commit"]
     rows = {name: [name, None, "not run", commit] for name in names}
-    engine_commit = commit
-    if args.only:
-        edition = earlier_edition(machine)
+    engine_commit, added = commit, {}
+    if chosen:
+        edition = earlier_edition(machine, same_engine=bool(args.only))
         engine_commit = edition["data"]["engine_commit"]
-        rows |= {row[0]: row for row in edition["tables"][1]["rows"] if row[0] in rows}
+        added = edition["data"].get("added", {})
+        earlier = {row[0]: row for row in edition["tables"][1]["rows"]}
+        if args.add:
+            ran = sorted(n for n in args.add if n in earlier and n not in added)
+            if ran:
+                raise SystemExit(f"{ran} are the edition's own scripts: a new edition redoes "
+                                 "them (or --only, the engine unchanged)")
+        rows |= {name: row for name, row in earlier.items() if name in rows}
         machine = Table(**{k: edition["tables"][0][k] for k in ("title", "headers", "rows")})
-    for name in args.only or names:
+    for name in chosen or names:
         rows[name] = [*run_script(name, args.rounds, args.llama_bench), commit]
+    added |= dict.fromkeys(args.add or [], commit)
+    note = f"The engine (src/) of every commit above is that of {engine_commit}"
+    if added:
+        note += (", but for " + ", ".join(f"{n} (added at {c})" for n, c in added.items())
+                 + ": a later chapter's script, measured on the engine of its own commit")
     scripts = Table("The edition's scripts, one after the other",
                     ["result", "seconds", "outcome", "commit"], list(rows.values()),
-                    formats=["", ".0f", "", ""],
-                    note=f"The engine (src/) of every commit above is that of {engine_commit}.")
-    save_results("edition", {"results": names, "engine_commit": engine_commit},
+                    formats=["", ".0f", "", ""], note=note + ".")
+    save_results("edition", {"results": names, "engine_commit": engine_commit, "added": added},
                  [machine, scripts], rounds=args.rounds)
     failed = [r[0] for r in rows.values() if str(r[2]).startswith("failed")]
     if failed:

@@ -319,6 +319,7 @@ D1, D2 = "tiny_llm/day1_batching.py", "tiny_llm/day2_chunked_prefill.py"
 D3 = "tiny_llm/day3_paged_kv.py"
 D4, D5 = "tiny_llm/day4_paged_attention.py", "tiny_llm/day5_paged_flash.py"
 SPEC, MOE = "tiny_llm/speculative.py", "tiny_llm/moe.py"
+TP = "tiny_llm/tensor_parallel.py"
 MUTANTS = {
     "1.1": (D1, "self.left -= 1", "pass"),  # a decode that costs the budget nothing
     "1.2": (D1, "self.caches[slot].reset()", "pass"),  # a reused slot keeps old K/V
@@ -351,6 +352,10 @@ MUTANTS = {
     "7.1": (MOE, "if normalize:", "if not normalize:"),
     "7.2": (MOE, "x[order // experts.shape[1]]", "x[order // experts.shape[0]]"),
     "7.3": (MOE, "mx.zeros_like(outputs).at[order].add(outputs)", "outputs"),
+    "8.1": (TP, "slice(rank * step, (rank + 1) * step)", "slice(0, step)"),  # all keep rank 0's
+    "8.2": (TP, "for r in range(1, group.size()):", "for r in range(2, group.size()):"),
+    "8.3": (TP, "arrays = [batch.token_ids, batch.positions,",  # not the order it is read in
+            "arrays = [batch.positions, batch.token_ids,"),
 }
 
 

@@ -59,6 +59,7 @@ def shards_of(n: int, **kw) -> list:
     return models
 
 
+@pytest.mark.task("8.1")
 @pytest.mark.parametrize("family,kw", [
     ("qwen3", {}),
     ("qwen2", {}),  # q/k/v biases: column shards keep their slice of the bias
@@ -88,6 +89,7 @@ def _cache(attn: Attention):
     return DenseKVCache(attn.layer + 1)
 
 
+@pytest.mark.task("8.1")
 def test_quantized_layers_are_split_as_stored():
     """Packed words, scales and biases are sliced together: the row shards' products of a
     4-bit layer add up to the whole layer's, and a slice that would cut a group is refused."""
@@ -167,6 +169,7 @@ def mixed_run(tensor_parallel_size: int) -> dict:
             "worker_kv_bytes": None if workers is None else workers.kv_cache_bytes}
 
 
+@pytest.mark.task("8.3")
 def test_two_ranks_serve_a_mixed_batch_as_one_process_does(tmp_path):
     """Chunked prefill, prefix hits and preemption on 2 ranks: the single process's
     schedule and greedy tokens, log-probabilities within LOGPROB_ATOL; a request alone gets
@@ -207,18 +210,27 @@ ALL_REDUCE_SCRIPT = textwrap.dedent("""
         mx.eval(ours, ring)  # every rank, in one order: collectives pair up across ranks
     every = mx.distributed.all_gather(all_reduce(x, group)[None], group=group)
     same = all(mx.array_equal(every[0], every[r]).item() for r in range(group.size()))
+    xs = [mx.random.normal((40, 96), key=mx.random.key(r)) for r in range(group.size())]
+    total = xs[0]
+    for part in xs[1:]:
+        total = total + part
+    exact = mx.array_equal(all_reduce(x, group), total).item()
     if group.rank() == 0:
         json.dump({"ours": [a.item() for a in ours], "ring": [a.item() for a in ring],
-                   "same_on_every_rank": same}, open(sys.argv[1], "w"))
+                   "same_on_every_rank": same, "sum_in_rank_order": exact},
+                  open(sys.argv[1], "w"))
 """)
 
 
+@pytest.mark.task("8.2")
 def test_the_all_reduce_gives_a_row_the_same_bits_in_any_batch_on_every_rank(tmp_path):
-    """On 3 ranks a row's sum is the same bits whatever rows share the call, and the same
-    on every rank; MLX's ring all_sum (the negative control) is not row-invariant."""
+    """On 3 ranks the all-reduce is the sum of the ranks' arrays added in rank order, a
+    row's sum is the same bits whatever rows share the call, and the same on every rank;
+    MLX's ring all_sum (the negative control) is not row-invariant."""
     ranks = LocalRanks(3, ["-c", ALL_REDUCE_SCRIPT, str(tmp_path / "r.json")], tmp_path)
     assert ranks.wait(60) == [0, 0, 0], ranks.output(0)[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
+    assert result["sum_in_rank_order"]
     assert result["ours"] == [True] * 4 and result["same_on_every_rank"]
     assert not all(result["ring"])
 

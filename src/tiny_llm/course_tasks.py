@@ -39,6 +39,7 @@ CHAPTERS = {
     5: ("week3-day5.md", "Day 5 — paged FlashAttention", "test_week3_day5.py"),
     6: ("speculative.md", "Speculative decoding", "test_speculative.py"),
     7: ("moe.md", "Mixture of Experts", "test_moe.py"),
+    8: ("tensor-parallel.md", "Beyond one machine", "test_tensor_parallel.py"),
 }
 
 _COMMENT = {".py": "#", ".cpp": "//", ".h": "//", ".metal": "//"}

@@ -123,6 +123,7 @@ class ModelRunner:
     # ANCHOR_END: sample_with_drafts
 
 
+# ANCHOR: sharded_runner
 class ShardedModelRunner(ModelRunner):
     """Rank 0's runner of a tensor-parallel model (``tensor_parallel.py``): each step goes
     to the workers, then every rank runs it on its shard."""
@@ -136,3 +137,4 @@ class ShardedModelRunner(ModelRunner):
         self.workers.send_step(batch)
         with self.workers.step():
             return super().forward(batch, head)
+# ANCHOR_END: sharded_runner
