@@ -396,17 +396,19 @@ class Workers:
 
     @contextmanager
     def step(self):
-        """A step in flight: collectives that fail become a ``TensorParallelError``."""
+        """A step the workers were sent, in flight on rank 0. If it fails, the ranks can no
+        longer be trusted to run the same collectives: every later step fails too."""
         with self._lock:
             self._step_started = time.monotonic()
         try:
             yield
-        except RuntimeError as e:
-            if "[ring]" not in str(e):
-                raise
-            self._find_lost(wait=1.0)  # a closed connection says which worker exited
+        except Exception as e:
+            if "[ring]" in str(e):
+                self._find_lost(wait=1.0)  # a closed connection says which worker exited
             if self.failure is None:
-                self.failure = TensorParallelError(f"a tensor-parallel step failed: {e}")
+                self.failure = TensorParallelError(
+                    f"a tensor-parallel step failed on rank 0 after the workers had it "
+                    f"({type(e).__name__}: {e}): the ranks are out of step")
             raise self.failure from e
         finally:
             with self._lock:

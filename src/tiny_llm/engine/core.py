@@ -21,14 +21,11 @@ done.
 
 from __future__ import annotations
 
-import signal
-import threading
-from contextlib import contextmanager
 from typing import Any
 
 from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
-from tiny_llm.engine.runner import ModelRunner
+from tiny_llm.engine.runner import ModelRunner, interrupts_held
 from tiny_llm.request import Request
 from tiny_llm.speculative import SpeculativeDecoding, rewind
 from tiny_llm.step import ScheduledChunk, StepBatch
@@ -57,7 +54,7 @@ class EngineCore:
             return
         batch, logits = self.runner.run(chunks)
         tokens = self.runner.sample(logits, batch, self._verify)
-        with _interrupts_held():
+        with interrupts_held():
             self._commit(batch, tokens)
     # ANCHOR_END: step
 
@@ -139,23 +136,3 @@ class EngineCore:
             **kv.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         }
-
-
-@contextmanager
-def _interrupts_held():
-    """Hold Ctrl-C (SIGINT) until the block is done, then deliver it (main thread only:
-    signal handlers can only be set there, and only it receives KeyboardInterrupt)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and previous != signal.SIG_IGN:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            else:  # SIG_DFL, or a handler installed from C
-                raise KeyboardInterrupt

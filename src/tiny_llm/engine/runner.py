@@ -11,7 +11,10 @@ decoding's draft model through another: the forward is written once.
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +137,30 @@ class ShardedModelRunner(ModelRunner):
         self.workers = workers
 
     def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
-        self.workers.send_step(batch)
-        with self.workers.step():
-            return super().forward(batch, head)
+        # Once the step is sent the workers run it: so must rank 0, whole, or the ranks'
+        # collectives would pair up with the wrong step's. Ctrl-C waits for its end.
+        with interrupts_held():
+            self.workers.send_step(batch)
+            with self.workers.step():
+                return super().forward(batch, head)
 # ANCHOR_END: sharded_runner
+
+
+@contextmanager
+def interrupts_held():
+    """Hold Ctrl-C (SIGINT) until the block is done, then deliver it (main thread only:
+    signal handlers can only be set there, and only it receives KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous != signal.SIG_IGN:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:  # SIG_DFL, or a handler installed from C
+                raise KeyboardInterrupt
