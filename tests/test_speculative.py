@@ -14,6 +14,7 @@ from tiny_llm.day3_paged_kv import BlockManager, BlockSpace
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.speculative import NgramProposer, distribution, rewind, speculative_accept
+from tiny_llm.structured import StructuredOutput
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
 from tiny_llm.testing.runs import greedy, served_alone, tokens_of
 
@@ -348,11 +349,14 @@ def test_bad_speculative_configurations_are_refused(tiny_model, smollm_tokenizer
 
 def test_penalties_and_logprobs_decode_without_drafts_and_keep_their_tokens(repeater,
                                                                             smollm_tokenizer):
-    """Penalties read the tokens before each position and logprobs are recorded token by
-    token, which a verification's rows do not give: such requests decode without drafts,
-    beside requests that draft, and get the tokens they get served alone."""
-    prompts = repetitive_prompts(3, seed=3)
-    params = [greedy(12), greedy(12, frequency_penalty=0.5), greedy(12, logprobs=1)]
+    """Penalties read the tokens before each position, logprobs are recorded token by
+    token, a grammar's mask depends on the tokens before it: a verification's rows give
+    none of these, so such requests decode without drafts, beside requests that draft, and
+    get the tokens they get served alone."""
+    prompts = repetitive_prompts(4, seed=3)
+    params = [greedy(12), greedy(12, frequency_penalty=0.5), greedy(12, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutput(
+                  regex="[^0-9]{1,40}"))]
     engine = LLMEngine(repeater, smollm_tokenizer, num_pages=128, speculative="ngram")
     proposed = []
     propose = engine.core.spec.proposer.propose
@@ -360,7 +364,7 @@ def test_penalties_and_logprobs_decode_without_drafts_and_keep_their_tokens(repe
         proposed.extend(r.params for r in requests) or propose(requests, k))
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert engine.stats()["num_draft_tokens"] > 0  # the plain request drafted
-    assert not any(p is params[1] or p is params[2] for p in proposed)
+    assert not any(p is params[1] or p is params[2] or p is params[3] for p in proposed)
     for prompt, p, out in zip(prompts, params, outs, strict=True):
         alone = served_alone(repeater, smollm_tokenizer, prompt["prompt_token_ids"], p)[0]
         assert out.outputs[0].token_ids == alone

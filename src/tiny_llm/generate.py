@@ -14,6 +14,7 @@ from tiny_llm.kv_cache import DenseKVCache
 from tiny_llm.model import Model
 from tiny_llm.request import Request, RequestOutput
 from tiny_llm.sampling import SamplingParams, sample_next_tokens
+from tiny_llm.structured import Grammars
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -28,9 +29,11 @@ def stream_generate(
     max_model_len: int | None = None,
 ) -> Iterator[RequestOutput]:
     max_model_len = max_model_len or model.config.max_position_embeddings
-    req = Request(
-        prompt_token_ids, params, tokenizer.detokenizer(), tokenizer.eos_token_ids, max_model_len
-    )
+    constraint = None  # a structured output's matcher, as the engine gives one
+    if params.structured is not None:
+        constraint = Grammars(tokenizer, model.config.vocab_size).constraint(params.structured)
+    req = Request(prompt_token_ids, params, tokenizer.detokenizer(), tokenizer.eos_token_ids,
+                  max_model_len, constraint=constraint)
     cache = DenseKVCache(model.config.num_hidden_layers)
     start = 0  # tokens whose K/V is in the cache
     while not req.is_finished:

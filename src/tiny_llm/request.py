@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tiny_llm.sampling import RequestSampler, SamplingParams, TokenHistory, TokenLogprob
+from tiny_llm.structured import Constraint
 from tiny_llm.tokenizer import IncrementalDetokenizer
 
 
@@ -70,6 +71,7 @@ class Request:
         max_model_len: int,
         request_id: str | None = None,
         prompt: str | None = None,
+        constraint: Constraint | None = None,
     ):
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.prompt = prompt
@@ -81,7 +83,8 @@ class Request:
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
         self.sampler = RequestSampler(params, TokenHistory(
-            self.prompt_token_ids, self.output_token_ids, self.eos_token_ids | self.stop_token_ids))
+            self.prompt_token_ids, self.output_token_ids, self.eos_token_ids | self.stop_token_ids),
+            constraint)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tiny_llm.structured import Constraint, StructuredOutput
 from tiny_llm.tokenizer import check_text
 
 import mlx.core as mx
@@ -143,6 +144,8 @@ class SamplingParams:
     min_tokens: int = 0
     # The sampled token's log-probability and this many alternatives' (``TokenLogprob``).
     logprobs: int | None = None
+    # A grammar the output must match (``structured.py``): JSON schema, regex, choice...
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real(
@@ -172,12 +175,22 @@ class SamplingParams:
         self.logprobs = _optional_int("logprobs", self.logprobs, 0)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise _invalid("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise _invalid("structured", "a StructuredOutput", self.structured)
+            # A grammar ends with an end token where its output is whole: both would hold
+            # that token back.
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with a structured output, "
+                                     "which ends exactly where its grammar is complete")
 
     @property
     def drafts_allowed(self) -> bool:
         """Whether speculative decoding may draft for the request: not with penalties (they
-        read the tokens before each position) nor logprobs (recorded token by token)."""
-        return not self.penalized and self.logprobs is None
+        read the tokens before each position), logprobs (recorded token by token) nor a
+        structured output (its mask at a position depends on the tokens before it)."""
+        return not self.penalized and self.logprobs is None and self.structured is None
 
     @property
     def penalized(self) -> bool:
@@ -217,12 +230,15 @@ class TokenLogprob:
 class RequestSampler:
     """One request's params and its own random generator (seeded, or spawned from OS
     entropy); with penalties, the request's ``history``; with ``logprobs``, a record per
-    sampled token."""
+    sampled token; with a structured output, its ``constraint``."""
 
-    def __init__(self, params: SamplingParams, history: TokenHistory | None = None) -> None:
+    def __init__(self, params: SamplingParams, history: TokenHistory | None = None,
+                 constraint: Constraint | None = None) -> None:
         if params.penalized and history is None:
             raise ValueError("penalties, logit_bias and min_tokens need the request's tokens")
-        self.params, self.history = params, history
+        if (params.structured is None) != (constraint is None):
+            raise ValueError("a structured output needs its constraint (Grammars.constraint)")
+        self.params, self.history, self.constraint = params, history, constraint
         seed = params.seed if params.seed is not None else _ENTROPY.spawn(1)[0]
         self.rng = np.random.default_rng(seed)
         self.logprobs: list[TokenLogprob] = []
@@ -240,6 +256,18 @@ def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
         best = ids[np.lexsort((ids, -x[ids]))][:k]  # ties by ascending id
     return TokenLogprob(token, float(x[token] - log_norm),
                         tuple((int(t), float(x[t] - log_norm)) for t in best))
+
+
+# ANCHOR: constrained
+def constrained(row: np.ndarray, constraint: Constraint, history: TokenHistory | None
+                ) -> np.ndarray:
+    """A row of logits with every token its grammar does not allow next at -inf. A
+    matcher that allows nothing (it failed) leaves the end tokens: the request ends."""
+    allowed = constraint.allowed()
+    if not allowed.any() and history is not None:
+        allowed[[t for t in history.end_token_ids if t < len(allowed)]] = True
+    return np.where(allowed, np.asarray(row, dtype=np.float32), np.float32(-np.inf))
+# ANCHOR_END: constrained
 
 
 # ANCHOR: penalize
@@ -402,6 +430,8 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
     if on_host:
         for b, row in zip(on_host, np.array(_rows(logits, on_host)), strict=True):
             s = samplers[b]
+            if s.constraint is not None:
+                row = constrained(row, s.constraint, s.history)
             if s.params.penalized:
                 row = penalize(row, s.params, s.history)
             # np.argmax: the lowest token id on ties, as the device's argmax
@@ -409,6 +439,8 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
             if s.params.logprobs is not None:
                 x = row if s.params.greedy else _scaled(row, s.params.temperature)
                 s.logprobs.append(token_logprob(x, tokens[b], s.params.logprobs))
+            if s.constraint is not None:
+                s.constraint.consume(tokens[b])
     return tokens
 
 

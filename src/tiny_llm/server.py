@@ -48,6 +48,7 @@ from typing import Any
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from tiny_llm.structured import GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
 
 log = logging.getLogger("tiny_llm")
@@ -294,15 +295,17 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
                    "ignore_eos", "repetition_penalty", "min_tokens")
 HONOURED = {
     "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-             "messages", "logprobs", "top_logprobs", *SAMPLING_FIELDS},
+             "messages", "logprobs", "top_logprobs", "response_format", "structured_outputs",
+             *SAMPLING_FIELDS},
     "completions": {"model", "n", "max_tokens", "max_completion_tokens", "stream",
-                    "stream_options", "prompt", "logprobs", *SAMPLING_FIELDS},
+                    "stream_options", "prompt", "logprobs", "response_format",
+                    "structured_outputs", *SAMPLING_FIELDS},
 }
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 NO_EFFECT = {"user"}  # an end user's id, for the caller's own bookkeeping
 # Not supported (yet), so accepted only in a value that asks for nothing.
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []),
     "function_call": (None, "none", "auto"), "store": (None, False), "metadata": (None, {}),
@@ -361,7 +364,7 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         max_tokens = 16  # OpenAI's default for completions
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
-                                **options)
+                                structured=structured_output(body), **options)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     stream = body.get("stream")
@@ -373,6 +376,40 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage", param="stream_options")
     return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")))
+
+
+# ANCHOR: response_format
+def structured_output(body: dict) -> StructuredOutput | None:
+    """The grammar a request's output must match: OpenAI's ``response_format``
+    (``json_schema``, ``json_object``; ``text`` asks for none) or vLLM's
+    ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and vllm is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    if vllm is not None:
+        if not isinstance(vllm, dict):
+            raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+        try:
+            return StructuredOutput(**vllm)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, "response_format json_schema needs a json_schema object with a "
+                           "'schema'", param="response_format")
+        return StructuredOutput(json=spec["schema"])  # strict or not, the schema is enforced
+    raise APIError(400, "response_format's type must be text, json_object or json_schema",
+                   param="response_format")
+# ANCHOR_END: response_format
 
 
 def requested_logprobs(body: dict, chat: bool) -> int | None:
@@ -528,6 +565,9 @@ class Server:
             request_id, queue = await asyncio.to_thread(
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
+        except GrammarError as e:
+            param = "structured_outputs" if "structured_outputs" in body else "response_format"
+            raise APIError(400, str(e), param=param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         return parsed, request_id, queue, num_prompt, timeline

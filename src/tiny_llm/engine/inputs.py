@@ -3,9 +3,9 @@
 Everything a request can be refused for is checked here, before the engine changes
 anything: the prompt's form (text, token ids, ``{"prompt_token_ids": ...}`` or chat
 messages), its token ids against the vocabulary, its length against ``max_model_len`` and
-the step budget, the parameters against the vocabulary, and the longest the request may
-grow against the whole KV pool (a request that could never finish, even alone, is refused
-now rather than left waiting forever).
+the step budget, the parameters against the vocabulary, the longest the request may grow
+against the whole KV pool (a request that could never finish, even alone, is refused now
+rather than left waiting forever), and a structured output's grammar, compiled here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from tiny_llm.engine.config import EngineConfig
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams
+from tiny_llm.structured import Grammars
 from tiny_llm.tokenizer import Tokenizer, check_text
 
 import numpy as np
@@ -37,6 +38,7 @@ class InputProcessor:
         self.tokenizer, self.vocab_size, self.config = tokenizer, vocab_size, config
         self.max_model_len = max_model_len
         self.capacity_tokens = capacity_tokens  # the whole KV pool, None: unbounded
+        self.grammars = Grammars(tokenizer, vocab_size)  # structured outputs' compiler
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None,
                      request_id: str) -> Request:
@@ -48,8 +50,12 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         token_ids = self._check_prompt(token_ids)
         self._check_params(params, len(token_ids))
+        constraint = None
+        if params.structured is not None:  # compiled here, off the engine's steps
+            constraint = self.grammars.constraint(params.structured)
         return Request(token_ids, params, self.tokenizer.detokenizer(),
-                       self.tokenizer.eos_token_ids, self.max_model_len, request_id, text)
+                       self.tokenizer.eos_token_ids, self.max_model_len, request_id, text,
+                       constraint)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids ``prompt`` would be served with (chat messages templated)."""

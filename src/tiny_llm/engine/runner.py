@@ -71,22 +71,24 @@ class ModelRunner:
                verify: Callable[[Request, mx.array], list[int]] | None = None
                ) -> list[list[int]]:
         """The tokens each sampling request emits: one, or, for a request with drafts,
-        what ``verify`` makes of its ``k + 1`` rows. On failure, every generator (and
-        logprob record) is as it was."""
+        what ``verify`` makes of its ``k + 1`` rows. On failure, every generator, logprob
+        record and grammar matcher is as it was."""
         requests = batch.sampling
         if not requests:
             return []
-        states = [(r.sampler, r.sampler.rng.bit_generator.state, len(r.sampler.logprobs))
-                  for r in requests]
+        states = [(r.sampler, r.sampler.rng.bit_generator.state, len(r.sampler.logprobs),
+                   r.sampler.constraint and r.sampler.constraint.consumed) for r in requests]
         try:
             if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
                 drawn = sample_next_tokens(logits, [r.sampler for r in requests])
                 return [[token] for token in drawn]
             return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
-            for sampler, state, records in states:
+            for sampler, state, records, consumed in states:
                 sampler.rng.bit_generator.state = state
                 del sampler.logprobs[records:]
+                if sampler.constraint is not None:
+                    sampler.constraint.rollback(consumed)
             raise
 # ANCHOR_END: model_runner
 

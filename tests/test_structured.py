@@ -1,0 +1,180 @@
+"""Structured outputs (``tiny_llm/structured.py``) inside continuous batching.
+
+Oracles: ``jsonschema`` for JSON schemas, ``re.fullmatch`` for regular expressions, the
+choices themselves, a parser of the test grammar's language; a constrained request served
+alone for batch invariance; the model's own logits with the grammar's mask applied for
+log-probabilities; an unconstrained run with the same seed for a step that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from tiny_llm.engine import LLMEngine
+from tiny_llm.sampling import SamplingParams, token_logprob
+from tiny_llm.structured import GrammarError, StructuredOutput
+from tiny_llm.testing.runs import served_alone
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "pet": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+            "kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "maximum": 8}},
+            "required": ["kind"], "additionalProperties": False}]},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# A tiny language: sums of numbers in parentheses, e.g. "(12+(3+4))".
+LARK = 'start: expr\nexpr: "(" term ("+" term)* ")"\nterm: NUMBER | expr\nNUMBER: /[0-9]{1,2}/'
+GBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-c]{1,3}'
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, smollm_tokenizer):
+    return LLMEngine(tiny_model, smollm_tokenizer, num_pages=512, max_num_seqs=16)
+
+
+def texts(engine, specs, temperatures, max_tokens=160, prompt="Tell me"):
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=max_tokens, structured=spec)
+              for i, (spec, t) in enumerate(zip(specs, temperatures, strict=True))]
+    outs = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def balanced_sum(text: str) -> bool:
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            return False
+    return depth == 0 and bool(re.fullmatch(r"[()+0-9]+", text))
+
+
+def test_every_output_under_a_json_schema_validates(engine):
+    """24 requests in one batch at temperatures 0 to 1.5: each ends (stop, not length) with
+    JSON that the schema accepts."""
+    temps = [0.0, 0.5, 1.0, 1.5] * 6
+    for text, finish in texts(engine, [StructuredOutput(json=SCHEMA)] * 24, temps):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("spec,check", [
+    (StructuredOutput(regex=r"[0-9]{3}-[a-z]{2,4}"),
+     lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+    (StructuredOutput(choice=["yes", "no", "maybe later"]),
+     lambda t: t in ("yes", "no", "maybe later")),
+    (StructuredOutput(grammar=LARK), balanced_sum),
+    (StructuredOutput(grammar=GBNF), lambda t: re.fullmatch(r"\[[a-c]{1,3}(,[a-c]{1,3})*\]", t)),
+    (StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+], ids=["regex", "choice", "lark", "gbnf", "json_object"])
+def test_every_output_matches_its_grammar(engine, spec, check):
+    temps = [0.0, 0.7, 1.0, 1.3] * 3
+    for text, finish in texts(engine, [spec] * 12, temps, max_tokens=400):
+        if spec.json_object and finish == "length":  # an object's strings may run on
+            continue
+        assert finish == "stop" and check(text), text
+
+
+def test_a_constrained_request_gets_its_tokens_alone_and_batched(engine, tiny_model,
+                                                                 smollm_tokenizer):
+    """Greedy, next to unconstrained requests and a request under another grammar: the
+    tokens the request gets served alone, without the engine (``stream_generate``, which
+    masks with the same grammar)."""
+    spec = StructuredOutput(json=SCHEMA)
+    prompts = ["Tell me", "A story", "Tell me", "Numbers"]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=spec),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutput(
+                  grammar=LARK)),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=40)]
+    batched = engine.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
+        alone = served_alone(tiny_model, smollm_tokenizer, engine.tokenize(prompt), p)[0]
+        assert out.outputs[0].token_ids == alone
+
+
+def test_logprobs_come_from_the_masked_distribution(engine, tiny_model, smollm_tokenizer):
+    """A greedy request's log-probabilities and alternatives are the model's logits with
+    every token the grammar forbids removed: recomputed position by position."""
+    spec = StructuredOutput(choice=["alpha", "beta", "gamma delta"])
+    out = engine.generate(["Pick"], SamplingParams(temperature=0.0, max_tokens=10, logprobs=3,
+                                                   structured=spec), use_tqdm=False)[0]
+    o = out.outputs[0]
+    grammars = engine.inputs.grammars
+    matcher = grammars.constraint(spec)
+    ids = engine.tokenize("Pick")
+    for token, record in zip(o.token_ids, o.logprobs, strict=True):
+        logits = np.array(_last_logits(tiny_model, ids)).astype(np.float32)
+        allowed = matcher.allowed()
+        masked = np.where(allowed, logits, -np.inf)
+        want = token_logprob(masked, token, 3)
+        assert record.token == want.token == int(np.argmax(masked))
+        assert abs(record.logprob - want.logprob) < 1e-4
+        assert [t for t, _ in record.top] == [t for t, _ in want.top]
+        assert all(allowed[t] for t, _ in record.top if np.isfinite(_))
+        matcher.consume(token)
+        ids = [*ids, token]
+    assert o.text in ("alpha", "beta", "gamma delta")
+
+
+def _last_logits(model, ids):
+    from tiny_llm.kv_cache import DenseKVCache
+
+    return model(mx.array(ids), mx.arange(len(ids)), DenseKVCache(model.config.num_hidden_layers),
+                 mx.array([len(ids) - 1]))[0]
+
+
+def test_a_failed_step_rolls_the_matcher_back(engine, monkeypatch):
+    """A step that fails after every sampler drew its token and advanced its matcher: the
+    next step draws again from the restored generator and matcher, and the request's
+    tokens are those of a run without the failure."""
+    import tiny_llm.engine.runner as runner_module
+
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=160,
+                            structured=StructuredOutput(json=SCHEMA))
+    want = engine.generate(["Tell me"], [params], use_tqdm=False)[0].outputs[0].token_ids
+    real, calls = runner_module.sample_next_tokens, []
+
+    def then_fail(logits, samplers):
+        tokens = real(logits, samplers)
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected after sampling")
+        return tokens
+
+    monkeypatch.setattr(runner_module, "sample_next_tokens", then_fail)
+    request_id = engine.add_request("Tell me", params)
+    finished, failures = [], 0
+    while engine.has_unfinished_requests():
+        try:
+            finished += [o for o in engine.step() if o.request_id == request_id and o.finished]
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            failures += 1
+    assert failures == 1 and len(calls) > 5
+    assert finished[0].outputs[0].token_ids == want
+
+
+def test_a_grammar_that_does_not_compile_is_refused_at_admission(engine):
+    before = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+    for spec in (StructuredOutput(json={"type": "strin"}), StructuredOutput(regex="(unclosed"),
+                 StructuredOutput(grammar="start: undefined_rule"),
+                 StructuredOutput(json="{not json")):
+        with pytest.raises(GrammarError, match="does not compile"):
+            engine.add_request("x", SamplingParams(structured=spec))
+    assert len(engine.scheduler.waiting) + len(engine.scheduler.running) == before
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutput(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured=StructuredOutput(regex="a"))
