@@ -47,7 +47,7 @@ ENGINE_FLAGS = [
     ("--tensor-parallel-size", "tensor_parallel_size", int,
      "ranks the model is split over (start them with mlx.launch -n N --backend ring --)"),
     ("--tensor-parallel-timeout", "tensor_parallel_timeout", float,
-     "seconds a step may wait on the other ranks before rank 0 gives up"),
+     "seconds a step may take, sent to the workers, before rank 0 gives up"),
 ]
 
 

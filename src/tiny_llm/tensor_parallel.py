@@ -14,7 +14,8 @@ per layer:
   moves between ranks, and the work is equal by construction (experts placed on ranks
   would need an all-to-all of token rows and would idle the ranks whose experts are cold).
 - **The embedding and the LM head stay whole**: a lookup is cheap, and only rank 0 needs
-  logits (it samples), so the other ranks skip the head.
+  logits (it samples), so the other ranks skip the head's work (an untied head's weights
+  stay in every rank's memory).
 
 The partial sums meet in ``all_reduce``: every rank gathers every rank's partial and adds
 them in rank order. MLX's ring ``all_sum`` adds chunk by chunk in an order that depends
@@ -34,12 +35,17 @@ connection of their own, not over ``mx.distributed``: the ring backend polls its
 while it waits, which would keep a core busy on every worker for as long as the engine
 is idle.
 
-**Faults.** A worker that dies breaks the ring: rank 0's step fails with
-``TensorParallelError`` naming it. A step that does not finish within
-``tensor_parallel_timeout`` seconds (a rank hung or stopped) ends rank 0 with that error
-on stderr, since its main thread is blocked inside a collective. A worker whose rank 0
-has gone exits. Options and the model's geometry are checked on every rank, before any
-weight is read, with the same error on each.
+**Faults.** A worker that dies closes its connection: rank 0's step fails with
+``TensorParallelError`` naming it (a server answers 503), and rank 0 exits a moment later,
+idle or not, since it cannot serve without that shard. A step that does not finish within
+``tensor_parallel_timeout`` seconds (a rank hung or stopped; the time counts from the send)
+ends rank 0 with that error on stderr, since its main thread is blocked inside a
+collective. A step that fails on rank 0 after it was sent leaves every later step failing:
+the ranks may be in different collectives. A worker whose rank 0 has gone exits; workers
+ignore Ctrl-C. Options and the model's geometry are checked on every rank, with the same
+error on each, before the weights of a safetensors checkpoint are read (a GGUF file is read
+whole first: MLX loads its tensors eagerly, so a model too large for one machine must come
+as safetensors).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import json
 import os
 import secrets
 import select
+import signal
 import socket
 import struct
 import sys
@@ -68,7 +75,9 @@ import mlx.nn as nn
 import numpy as np
 
 CONNECT_TIMEOUT = 120.0  # seconds for every worker to reach rank 0 at start-up
-EXIT_GRACE = 2.0  # seconds a blocked step gets to fail on its own once a worker is gone
+HELLO_TIMEOUT = 10.0  # seconds a new connection has to name itself
+HELLO_BYTES = 4096  # the longest greeting read from a connection not yet trusted
+EXIT_GRACE = 2.0  # seconds between finding a rank gone and ending this one
 
 
 class TensorParallelError(RuntimeError):
@@ -86,11 +95,17 @@ def valid_sizes(config: ModelConfig) -> list[int]:
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+def check_tensor_parallel(config: ModelConfig, size: int, model: Model | None = None) -> None:
     """Raise ValueError unless ``size`` ranks can each hold whole KV heads and an equal
-    share of every layer."""
-    if size in valid_sizes(config):
+    share of every layer (with ``model``, also whole groups of its quantized weights)."""
+    sizes = valid_sizes(config)
+    if model is not None:
+        sizes = [n for n in sizes if all(w % n == 0 for w in _row_widths(model))]
+    if size in sizes:
         return
+    if size in valid_sizes(config):
+        raise ValueError(f"tensor_parallel_size={size} would split groups of this model's "
+                         f"quantized weights; valid sizes: {', '.join(map(str, sizes))}")
     widths = f"an MLP of {config.intermediate_size}"
     if config.num_experts:
         widths += f", experts of {config.moe_intermediate_size}"
@@ -101,6 +116,21 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         f"heads and an equal share of each layer, and it has {config.num_attention_heads} "
         f"attention heads, {config.num_key_value_heads} KV heads and {widths}; valid "
         f"sizes: {', '.join(map(str, valid_sizes(config)))}")
+
+
+def _row_widths(model: Model) -> list[int]:
+    """The input widths, in stored units (packed words, groups), of every layer a rank
+    keeps a slice of the inputs of."""
+    widths = []
+    for block in model.model.layers:
+        rows = [block.self_attn.o_proj]
+        mlp = block.mlp
+        rows += [mlp.down_proj] if isinstance(mlp, MLP) else [mlp.switch_mlp.down_proj]
+        if isinstance(mlp, SparseMoeBlock) and "shared_expert" in mlp:
+            rows.append(mlp.shared_expert.down_proj)
+        widths += [v.shape[-1] for layer in rows for k, v in layer.parameters().items()
+                   if k != "bias"]
+    return widths
 
 
 def local_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -172,7 +202,7 @@ def shard_model(model: Model, group: mx.distributed.Group) -> None:
     weights are not evaluated yet, each tensor is read once and only its share is kept)
     and sum the partials after each attention and each feed-forward."""
     rank, size = group.rank(), group.size()
-    check_tensor_parallel(model.config, size)
+    check_tensor_parallel(model.config, size, model)  # before any layer is touched
     for block in model.model.layers:
         attn = block.self_attn
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -251,17 +281,17 @@ def _connect(group: mx.distributed.Group) -> dict[int, Channel]:
         channel = Channel(sock)
         channel.send({"rank": rank, "token": token})
         return {0: channel}
-    channels = {}
-    listener.settimeout(CONNECT_TIMEOUT)
+    channels: dict[int, Channel] = {}
+    deadline = time.monotonic() + CONNECT_TIMEOUT
     try:
         while len(channels) < size - 1:
+            listener.settimeout(max(0.0, deadline - time.monotonic()))
             sock, _ = listener.accept()
-            sock.settimeout(CONNECT_TIMEOUT)
-            channel = Channel(sock)
-            hello, _ = channel.receive()
-            sock.settimeout(None)
-            if hello.get("token") == token and hello.get("rank") in range(1, size):
-                channels[hello["rank"]] = channel
+            rank_of = _hello(sock, token, size)
+            if rank_of is None or rank_of in channels:  # not one of ours: closed, not trusted
+                sock.close()
+                continue
+            channels[rank_of] = Channel(sock)
     except TimeoutError:
         missing = sorted(set(range(1, size)) - set(channels))
         raise TensorParallelError(f"worker rank(s) {missing} did not connect to rank 0 "
@@ -269,6 +299,21 @@ def _connect(group: mx.distributed.Group) -> dict[int, Channel]:
     finally:
         listener.close()
     return channels
+
+
+def _hello(sock: socket.socket, token: str, size: int) -> int | None:
+    """The worker rank a new connection names with the right token, else None (a stranger,
+    a silent peer or a malformed greeting)."""
+    sock.settimeout(HELLO_TIMEOUT)
+    try:
+        hello, _ = Channel(sock).receive(limit=HELLO_BYTES)
+    except (ValueError, TypeError):  # not our framing or not JSON
+        return None
+    sock.settimeout(None)
+    if not isinstance(hello, dict) or hello.get("token") != token:
+        return None
+    rank = hello.get("rank")
+    return rank if isinstance(rank, int) and 0 < rank < size else None
 
 
 def _rank0_host() -> str:
@@ -295,12 +340,16 @@ class Channel:
         payload = b"".join([head.encode(), *(a.tobytes() for a in arrays)])
         self.sock.sendall(struct.pack("!QI", len(payload), len(head.encode())) + payload)
 
-    def receive(self) -> tuple[dict[str, Any], list[np.ndarray]] | tuple[None, None]:
-        """The next message, or ``(None, None)`` once the other side has closed."""
+    def receive(self, limit: int | None = None
+                ) -> tuple[dict[str, Any], list[np.ndarray]] | tuple[None, None]:
+        """The next message, or ``(None, None)`` once the other side has closed (or gone
+        silent past the socket's timeout); ValueError for one longer than ``limit``."""
         prefix = self._read(12)
         if prefix is None:
             return None, None
         total, head_len = struct.unpack("!QI", prefix)
+        if limit is not None and total > limit:
+            raise ValueError(f"a message of {total} bytes, more than {limit}")
         payload = self._read(total)
         if payload is None:
             return None, None
@@ -334,14 +383,16 @@ def step_message(batch: StepBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     kv = batch.kv
     header = {"chunks": [[c.start, c.end] for c in batch.chunks],
               "query_start_loc": batch.query_start_loc, "context_lens": batch.context_lens,
-              "decode_rows": batch.decode_rows, "tables": kv.tables}
+              "decode_rows": batch.decode_rows}
     arrays = [batch.token_ids, batch.positions, kv.slot_mapping, *kv.page_metadata]
     return header, [np.array(a) for a in arrays]
     # END TASK
 
 
 def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBatch:
-    """The worker's copy of rank 0's step: the same rows, pages and layout."""
+    """The worker's copy of rank 0's step: the same rows, pages and layout (the tables
+    are the block table's rows up to their first -1)."""
+    tables = [[int(p) for p in row if p >= 0] for row in arrays[3]]
     token_ids, positions, slot_mapping, block_table, context_lens, query_start_loc = (
         mx.array(a) for a in arrays)
     return StepBatch(
@@ -350,8 +401,7 @@ def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBat
         query_start_loc=header["query_start_loc"], context_lens=header["context_lens"],
         logit_rows=mx.array([], dtype=mx.int32), sampling=[], num_logits=[],
         decode_rows=header["decode_rows"],
-        kv=PagedLayout(header["tables"], slot_mapping, block_table, context_lens,
-                       query_start_loc))
+        kv=PagedLayout(tables, slot_mapping, block_table, context_lens, query_start_loc))
 # ANCHOR_END: step_message
 
 
@@ -376,16 +426,16 @@ class Workers:
         for channel in self.channels.values():
             channel.send(setup)
         for rank, channel in self.channels.items():
+            channel.sock.settimeout(self.timeout)
             reply, _ = channel.receive()
+            channel.sock.settimeout(None)
             if reply is None or "error" in reply:
-                why = "exited" if reply is None else reply["error"]
+                why = "exited or did not answer" if reply is None else reply["error"]
                 raise TensorParallelError(f"worker rank {rank} could not start: {why}")
             self.kv_cache_bytes[rank] = reply["kv_cache_bytes"]
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
 
-    def send_step(self, batch: StepBatch) -> None:
-        if self.failure is not None:
-            raise self.failure
+    def _send(self, batch: StepBatch) -> None:
         header, arrays = step_message(batch)
         for rank, channel in self.channels.items():
             try:
@@ -395,20 +445,25 @@ class Workers:
                 raise self.failure from None
 
     @contextmanager
-    def step(self):
-        """A step the workers were sent, in flight on rank 0. If it fails, the ranks can no
-        longer be trusted to run the same collectives: every later step fails too."""
+    def step(self, batch: StepBatch):
+        """Send ``batch`` to the workers and run it on rank 0 inside the block, watched from
+        before the send. A step that fails once sent may leave the ranks in different
+        collectives: no later step runs."""
+        if self.failure is not None:
+            raise self.failure
         with self._lock:
             self._step_started = time.monotonic()
         try:
+            self._send(batch)
             yield
-        except Exception as e:
+        except BaseException as e:
             if "[ring]" in str(e):
                 self._find_lost(wait=1.0)  # a closed connection says which worker exited
             if self.failure is None:
                 self.failure = TensorParallelError(
-                    f"a tensor-parallel step failed on rank 0 after the workers had it "
-                    f"({type(e).__name__}: {e}): the ranks are out of step")
+                    f"a tensor-parallel step failed on rank 0 after it was sent to the "
+                    f"workers ({type(e).__name__}: {e}); the ranks may no longer be in step, "
+                    f"so no later step runs")
             raise self.failure from e
         finally:
             with self._lock:
@@ -440,8 +495,10 @@ class Workers:
                 self._lose(socks[sock])
 
     def _watch(self) -> None:
-        """A worker's connection closing means it exited; a step older than the timeout
-        means a rank is stuck. Either way, if rank 0 is blocked in a step, end it."""
+        """A worker's connection closing means it exited: rank 0, which cannot serve
+        without its shard, ends too (a moment later, so that a step failing on its own
+        reports first). A step older than the timeout means a rank is stuck: rank 0,
+        blocked in a collective, ends with that error."""
         lost_at: float | None = None
         while not self._stopped:
             known = len(self.lost)
@@ -455,7 +512,7 @@ class Workers:
                 _exit(f"a tensor-parallel step did not finish within {self.timeout:g} s "
                       f"(tensor_parallel_timeout): a rank is stuck, stopped or too slow"
                       f"{f' ({self.failure})' if self.failure else ''}; rank 0 exits")
-            if started is not None and lost_at is not None and now - lost_at > EXIT_GRACE:
+            if lost_at is not None and now - lost_at > EXIT_GRACE:
                 _exit(f"{self.failure}; rank 0 exits")
 
 
@@ -478,6 +535,8 @@ def _exit(message: str) -> None:
 def serve_as_worker(ranks: Ranks, build_runner) -> None:
     """A worker's whole life: build the engine's shard as rank 0 says, then run every
     step rank 0 sends, until it says stop (exit 0) or goes away (exit 1). Never returns."""
+    # Ctrl-C in the terminal reaches every rank of mlx.launch: rank 0 decides what it means.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = ranks.channels[0]
     setup, _ = channel.receive()
     if setup is None:
@@ -488,7 +547,7 @@ def serve_as_worker(ranks: Ranks, build_runner) -> None:
         channel.send({"error": f"{type(e).__name__}: {e}"})
         _exit(f"worker rank {ranks.rank} could not start: {e}")
     channel.send({"kv_cache_bytes": runner.kv.nbytes()})
-    gone = f"rank 0 went away (worker rank {ranks.rank} stops)"
+    gone = f"rank 0 went away or left a step worker rank {ranks.rank} is in: it stops"
     in_step = threading.Event()
     threading.Thread(target=_watch_rank0, args=(channel.sock, in_step, gone),
                      name="tp-rank0-watch", daemon=True).start()
@@ -509,18 +568,18 @@ def serve_as_worker(ranks: Ranks, build_runner) -> None:
 
 
 def _watch_rank0(sock: socket.socket, in_step: threading.Event, gone: str) -> None:
-    """End a worker whose rank 0 has gone while it is blocked in a step's collective (a
-    broken ring does not always fail the collectives that wait on it)."""
+    """End a worker left inside a step: rank 0 has gone (its connection closed) or moved on
+    (its next message waits) while this rank has been blocked in the step's collectives
+    for ``EXIT_GRACE`` seconds. A broken ring does not always fail the collectives that
+    wait on it, and a worker never leaves a step rank 0 abandoned."""
+    waiting_since: float | None = None
     while True:
         readable, _, _ = select.select([sock], [], [], 0.25)
-        if not readable:
-            continue
-        if not _closed(sock):  # the next step, waiting for the main thread
-            time.sleep(0.05)
-            continue
-        deadline = time.monotonic() + EXIT_GRACE
-        while in_step.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if in_step.is_set():
-            _exit(gone)
-        return  # the main thread reads the end itself
+        if readable and in_step.is_set():
+            waiting_since = waiting_since or time.monotonic()
+            if time.monotonic() - waiting_since > EXIT_GRACE:
+                _exit(gone)
+        else:
+            waiting_since = None
+        if readable:
+            time.sleep(0.05)  # the main thread reads what waits (or the end) itself

@@ -58,7 +58,7 @@ class EngineConfig:
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
     fused_layers: bool = True  # decode steps' dense layers as one op (the CPU kernels)
     tensor_parallel_size: int = 1  # ranks the model is split over (processes of mlx.launch)
-    tensor_parallel_timeout: float = 60.0  # seconds a step may wait on the other ranks
+    tensor_parallel_timeout: float = 120.0  # seconds a step may take before rank 0 gives up
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:

@@ -16,7 +16,8 @@ happens before anything is recorded; if it raises — an error, or Ctrl-C — no
 gains a token or loses text, seeded generators are rewound, and the next step continues
 from there (admissions and preemptions the scheduler made stand: they are valid states,
 and recomputed K/V is exact). The commit cannot fail and holds back Ctrl-C until it is
-done.
+done. (With tensor parallelism, a step that fails after rank 0 sent it to the workers
+ends the engine instead: ``tensor_parallel.py``.)
 """
 
 from __future__ import annotations

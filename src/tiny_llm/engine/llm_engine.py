@@ -103,7 +103,7 @@ class LLMEngine:
         parse_dtype(dtype)  # reject bad options before loading weights
         cfg = EngineConfig.from_options(options)
         shard = None
-        if cfg.tensor_parallel_size > 1:  # each rank reads its share only
+        if cfg.tensor_parallel_size > 1:  # each rank keeps its share only
             shard = functools.partial(shard_model, group=join(cfg.tensor_parallel_size).group)
         return cls(*load(model, dtype=dtype, dequantize=dequantize, shard=shard), **options)
 

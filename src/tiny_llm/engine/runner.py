@@ -141,10 +141,8 @@ class ShardedModelRunner(ModelRunner):
     def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
         # Once the step is sent the workers run it: so must rank 0, whole, or the ranks'
         # collectives would pair up with the wrong step's. Ctrl-C waits for its end.
-        with interrupts_held():
-            self.workers.send_step(batch)
-            with self.workers.step():
-                return super().forward(batch, head)
+        with interrupts_held(), self.workers.step(batch):
+            return super().forward(batch, head)
 # ANCHOR_END: sharded_runner
 
 
