@@ -921,6 +921,25 @@ def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_to
         assert got == tokens_of(int8(), [prompt], [p])[0]
 
 
+def test_a_quantized_head_survives_a_step_without_logit_rows(smollm_tokenizer):
+    """A prompt longer than the step budget: its first chunks sample nothing, so the tied
+    4-bit head multiplies no rows (MLX's quantized matmul divides by the row count and
+    stopped the process there); the request gets the tokens it gets alone."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.testing.models import make_tiny_model
+    from tiny_llm.testing.runs import greedy, served_alone
+
+    import mlx.nn as nn
+
+    model = make_tiny_model("llama", tie_word_embeddings=True)
+    nn.quantize(model, group_size=32, bits=4)
+    prompt = list(range(100, 190))
+    engine = LLMEngine(model, smollm_tokenizer, num_pages=64, max_num_batched_tokens=32,
+                       max_num_seqs=4)
+    got = engine.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == served_alone(model, smollm_tokenizer, prompt, greedy(4))[0]
+
+
 def test_int8_activations_are_refused_where_they_cannot_serve(smollm_tokenizer):
     """No silent fallback: float weights, the MLX ops, or a format the int8 kernel does not
     serve give a clear error before anything is allocated."""

@@ -180,6 +180,8 @@ def check_int8_activations(model: nn.Module) -> None:
 
 
 def mlx_quantized_matmul(x: mx.array, layer: nn.Module) -> mx.array:
+    if x.size == 0:  # MLX's CPU kernel divides by the row count (a step without logit rows)
+        return mx.zeros((*x.shape[:-1], layer["weight"].shape[0]), dtype=x.dtype)
     return mx.quantized_matmul(x, layer.weight, scales=layer.scales, biases=layer.get("biases"),
                                transpose=True, group_size=layer.group_size, bits=layer.bits,
                                mode=layer.mode)
