@@ -487,14 +487,17 @@ class TimedModel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def __call__(self, *args: Any) -> mx.array:
-        t0 = time.perf_counter()
-        self._times["model_start"] = t0
-        logits = self._model(*args)
+    def hidden_states(self, *args: Any) -> mx.array:  # the runner's first call
+        self._start = time.perf_counter()
+        self._times["model_start"] = self._start
+        return self._model.hidden_states(*args)
+
+    def logits(self, *args: Any) -> mx.array:  # its second: the graph is then whole
+        logits = self._model.logits(*args)
         t1 = time.perf_counter()
         mx.eval(logits)
         t2 = time.perf_counter()
-        self._times["graph"] += t1 - t0
+        self._times["graph"] += t1 - self._start
         self._times["eval"] += t2 - t1
         return logits
 

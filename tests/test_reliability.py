@@ -121,11 +121,14 @@ class FailingModel:
         self.model, self.config, self.dtype, self.at, self.calls = model, model.config, \
             model.dtype, at, 0
 
-    def __call__(self, *args):
+    def hidden_states(self, *args):
         self.calls += 1
         if self.calls == self.at:
             raise RuntimeError("injected: forward")
-        return self.model(*args)
+        return self.model.hidden_states(*args)
+
+    def logits(self, *args):
+        return self.model.logits(*args)
 
 
 class FailingAttention:

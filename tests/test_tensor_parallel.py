@@ -25,7 +25,7 @@ from tiny_llm.engine import LLMEngine
 from tiny_llm.model import Attention
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
-from tiny_llm.testing.models import make_tiny_model
+from tiny_llm.testing.models import make_repeater_model, make_tiny_model
 from tiny_llm.testing.ranks import LocalRanks, free_ports
 from tiny_llm.testing.runs import workload
 
@@ -135,7 +135,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
-    result = t.mixed_run(int(sys.argv[2]))
+    result = t.mixed_run(int(sys.argv[2]), sys.argv[4])
     if result is not None:
         json.dump(result, open(sys.argv[3], "w"))
 """)
@@ -149,20 +149,30 @@ def tokenizer():
     return Tokenizer.from_gguf_metadata(meta)
 
 
-def mixed_run(tensor_parallel_size: int) -> dict:
+def mixed_run(tensor_parallel_size: int, variant: str = "float") -> dict:
     """The mixed batch (and two of its requests alone afterwards) on one engine; the
-    record rank 0 returns (a worker never returns from the engine's constructor)."""
-    engine = LLMEngine(make_tiny_model(**TINY), tokenizer(),
-                       tensor_parallel_size=tensor_parallel_size, **OPTIONS)
+    record rank 0 returns (a worker never returns from the engine's constructor).
+    ``variant``: float weights, 4-bit weights kept as stored, or n-gram speculation."""
+    # The speculative run's model repeats its last token: text prompt lookup can predict.
+    model = make_repeater_model() if variant == "speculative" else make_tiny_model(**TINY)
+    if variant == "4-bit":
+        nn.quantize(model, group_size=32, bits=4)
+    # Drafts need pages beyond a request's own: the speculative run has room for them.
+    options = (dict(OPTIONS, speculative="ngram", num_pages=64) if variant == "speculative"
+               else OPTIONS)
+    engine = LLMEngine(model, tokenizer(), tensor_parallel_size=tensor_parallel_size,
+                       **options)
     prompts, params = workload(12, seed=5, shared_prefix=32, max_tokens=(4, 12), hi=40)
+    logprobs = None if variant == "speculative" else 2  # a logprob request never drafts
+
     params = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True,
-                             logprobs=2) for p in params]
+                             logprobs=logprobs) for p in params]
     outs = engine.generate(prompts, params, use_tqdm=False)
     alone = [engine.generate([prompts[i]], [params[i]], use_tqdm=False)[0] for i in (0, 7)]
 
     def record(out) -> dict:
         o = out.outputs[0]
-        return {"tokens": o.token_ids, "logprobs": [lp.logprob for lp in o.logprobs]}
+        return {"tokens": o.token_ids, "logprobs": [lp.logprob for lp in o.logprobs or []]}
 
     workers = getattr(engine.runner, "workers", None)
     return {"batched": [record(o) for o in outs], "alone": [record(o) for o in alone],
@@ -171,19 +181,23 @@ def mixed_run(tensor_parallel_size: int) -> dict:
 
 
 @pytest.mark.task("8.3")
-def test_two_ranks_serve_a_mixed_batch_as_one_process_does(tmp_path):
-    """Chunked prefill, prefix hits and preemption on 2 ranks: the single process's
-    schedule and greedy tokens, log-probabilities within LOGPROB_ATOL; a request alone gets
-    its batched tokens; half the pool bytes on every rank; the workers exit 0 when rank 0
-    ends."""
-    ranks = LocalRanks(2, ["-c", RANK_SCRIPT, str(TESTS), "2", str(tmp_path / "tp.json")],
-                       tmp_path)
-    single = mixed_run(1)
+@pytest.mark.parametrize("variant", ["float", "4-bit", "speculative"])
+def test_two_ranks_serve_a_mixed_batch_as_one_process_does(tmp_path, variant):
+    """Chunked prefill, prefix hits and preemption (or n-gram drafts) on 2 ranks, float or
+    4-bit weights: the single process's schedule and greedy tokens, log-probabilities
+    within LOGPROB_ATOL; a request alone gets its batched tokens; half the pool bytes on
+    every rank; the workers exit 0 when rank 0 ends."""
+    ranks = LocalRanks(2, ["-c", RANK_SCRIPT, str(TESTS), "2", str(tmp_path / "tp.json"),
+                           variant], tmp_path)
+    single = mixed_run(1, variant)
     codes = ranks.wait(120)
     assert codes == [0, 0], ranks.output(0)[-3000:] + ranks.output(1)[-3000:]
     tp = json.loads((tmp_path / "tp.json").read_text())
     stats = single["stats"]
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    if variant == "speculative":
+        assert stats["num_draft_tokens"] > 0
+    else:
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert {k: v for k, v in tp["stats"].items() if k != "kv_cache_bytes"} == {
         k: v for k, v in stats.items() if k != "kv_cache_bytes"}  # the same schedule
     for mine, theirs in zip(tp["batched"], single["batched"], strict=True):

@@ -37,7 +37,7 @@ def test_chunked_prefill_logits_equal_one_shot(tiny_model, smollm_tokenizer, chu
         engine.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
         steps = engine.stats()["num_steps"]
         assert steps == -(-length // chunk), "the prompt was not split into budget-sized chunks"
-        got = recorder.logits[-1][0]
+        got = recorder.recorded[-1][0]
         expected = one_shot_last_logits(tiny_model, prompt)
         # Only float32 rounding may differ: a chunk's GEMMs have other row counts (OpenBLAS
         # changes kernels at 16 rows) and attention folds keys in another order.

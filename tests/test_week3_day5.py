@@ -323,8 +323,8 @@ def test_chunked_prefill_through_the_flash_schedule_equals_one_shot_dense(
         generated = out[0].outputs[0].token_ids
         prefill_steps = -(-length // chunk)
         assert engine.stats()["num_steps"] == prefill_steps + 3, "not chunked by the budget"
-        got = mx.concatenate([recorder.logits[prefill_steps - 1]]
-                             + recorder.logits[prefill_steps:])
+        got = mx.concatenate([recorder.recorded[prefill_steps - 1]]
+                             + recorder.recorded[prefill_steps:])
         tokens = prompt + generated[:-1]
         want = dense_logits(tiny_model, tokens, list(range(length - 1, len(tokens))))
         assert got.shape == want.shape == (4, tiny_model.config.vocab_size)
@@ -345,7 +345,7 @@ def test_long_prompt_prefills_in_chunks_and_matches_dense(tiny_model, smollm_tok
     assert len(generated) == 2
     assert checked.query_lengths[: math.ceil(length / chunk)] == [
         [min(chunk, length - s)] for s in range(0, length, chunk)]
-    got = mx.concatenate([recorder.logits[-2], recorder.logits[-1]])
+    got = mx.concatenate([recorder.recorded[-2], recorder.recorded[-1]])
     want = dense_logits(tiny_model, prompt + generated[:1], [length - 1, length])
     diff = mx.abs(got - want).max().item()
     assert diff <= 1e-4, f"3000-token prompt: max |logit diff| {diff:.3g}"

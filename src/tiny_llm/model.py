@@ -332,7 +332,12 @@ class Model(nn.Module):
         ``kernels``: the model runner's plan for the extension's CPU kernels (``cpu_kernels.py``),
         handed to every layer; None: MLX's ops alone.
         """
-        h = self.hidden_states(tokens, positions, cache, kernels)
+        return self.logits(self.hidden_states(tokens, positions, cache, kernels), logit_rows,
+                           kernels)
+
+    def logits(self, h: mx.array, logit_rows: mx.array | None = None,
+               kernels: KernelPlan | None = None) -> mx.array:
+        """The vocabulary's logits for the rows ``logit_rows`` of the last layer's ``h``."""
         if logit_rows is not None:
             h = h[logit_rows]
         h = self.model.norm(h, kernels)

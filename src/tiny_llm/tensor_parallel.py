@@ -78,6 +78,7 @@ CONNECT_TIMEOUT = 120.0  # seconds for every worker to reach rank 0 at start-up
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to name itself
 HELLO_BYTES = 4096  # the longest greeting read from a connection not yet trusted
 EXIT_GRACE = 2.0  # seconds between finding a rank gone and ending this one
+STOP_TIMEOUT = 10.0  # seconds rank 0 waits, at its end, for the workers to exit
 
 
 class TensorParallelError(RuntimeError):
@@ -470,7 +471,8 @@ class Workers:
                 self._step_started = None
 
     def stop(self) -> None:
-        """Tell every worker to exit (at rank 0's end)."""
+        """Tell every worker to exit (at rank 0's end), and wait until each has: one still
+        finishing the last step would find the ring closed under it."""
         if self._stopped:
             return
         self._stopped = True
@@ -479,6 +481,10 @@ class Workers:
                 channel.send({"stop": True})
             except OSError:
                 pass
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for channel in self.channels.values():
+            channel.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            channel.receive()  # nothing more is sent: this returns at the worker's exit
 
     def _lose(self, rank: int) -> None:
         self.lost.add(rank)

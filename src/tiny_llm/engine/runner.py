@@ -61,10 +61,12 @@ class ModelRunner:
         its logit rows, or with ``head=False`` the last layer's rows (a tensor-parallel
         worker's share of the step: rank 0 alone computes logits)."""
         self.attention.begin_step(batch)
-        args = (batch.token_ids, batch.positions, self.attention)
-        out = (self.model(*args, batch.logit_rows, self.kernel_plan(batch)) if head
-               else self.model.hidden_states(*args, self.kernel_plan(batch)))
-        mx.eval(out, self.attention.state())
+        plan = self.kernel_plan(batch)
+        h = self.model.hidden_states(batch.token_ids, batch.positions, self.attention, plan)
+        out = self.model.logits(h, batch.logit_rows, plan) if head else h
+        # h as well: every layer runs even where no logit reads it (a step of prefill chunks
+        # only), so that tensor-parallel ranks all take part in every layer's all-reduces.
+        mx.eval(out, h, self.attention.state())
         return out
 
     def sample(self, logits: mx.array, batch: StepBatch,
