@@ -320,6 +320,7 @@ D3 = "tiny_llm/day3_paged_kv.py"
 D4, D5 = "tiny_llm/day4_paged_attention.py", "tiny_llm/day5_paged_flash.py"
 SPEC, MOE = "tiny_llm/speculative.py", "tiny_llm/moe.py"
 TP = "tiny_llm/tensor_parallel.py"
+STRUCTURED, SAMPLING = "tiny_llm/structured.py", "tiny_llm/sampling.py"
 MUTANTS = {
     "1.1": (D1, "self.left -= 1", "pass"),  # a decode that costs the budget nothing
     "1.2": (D1, "self.caches[slot].reset()", "pass"),  # a reused slot keeps old K/V
@@ -356,6 +357,9 @@ MUTANTS = {
     "8.2": (TP, "for r in range(1, group.size()):", "for r in range(2, group.size()):"),
     "8.3": (TP, "arrays = [batch.token_ids, batch.positions,",  # not the order it is read in
             "arrays = [batch.positions, batch.token_ids,"),
+    "9.1": (STRUCTURED, 'bitorder="little"', 'bitorder="big"'),  # each byte's bits reversed
+    "9.2": (SAMPLING, "np.where(allowed, np.asarray(row, dtype=np.float32), np.float32(-np.inf))",
+            "np.where(allowed, np.float32(-np.inf), np.asarray(row, dtype=np.float32))"),
 }
 
 

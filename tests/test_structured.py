@@ -60,6 +60,26 @@ def balanced_sum(text: str) -> bool:
     return depth == 0 and bool(re.fullmatch(r"[()+0-9]+", text))
 
 
+@pytest.mark.task("9.1")
+def test_the_mask_allows_exactly_the_tokens_that_begin_a_choice(engine, smollm_tokenizer):
+    """At the start of a choice among words, a token is allowed exactly when its text begins
+    one of them (the oracle decodes every token of the vocabulary); after "ma", exactly
+    the tokens that continue "maybe" or "mango"."""
+    choices = ["maybe", "mango", "no"]
+    constraint = engine.inputs.grammars.constraint(StructuredOutput(choice=choices))
+    texts = [smollm_tokenizer.decode([t]) for t in range(engine.model.config.vocab_size)]
+
+    def starting(prefix: str) -> set[int]:
+        return {t for t, text in enumerate(texts) if text and t not in smollm_tokenizer.
+                eos_token_ids and any(c.startswith(prefix + text) for c in choices)}
+
+    assert set(np.flatnonzero(constraint.allowed())) == starting("")
+    for token in smollm_tokenizer.encode("ma", add_special_tokens=False):
+        constraint.consume(token)
+    assert set(np.flatnonzero(constraint.allowed())) == starting("ma")
+
+
+@pytest.mark.task("9.2")
 def test_every_output_under_a_json_schema_validates(engine):
     """24 requests in one batch at temperatures 0 to 1.5: each ends (stop, not length) with
     JSON that the schema accepts."""
@@ -69,6 +89,7 @@ def test_every_output_under_a_json_schema_validates(engine):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.task("9.2")
 @pytest.mark.parametrize("spec,check", [
     (StructuredOutput(regex=r"[0-9]{3}-[a-z]{2,4}"),
      lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
@@ -86,6 +107,7 @@ def test_every_output_matches_its_grammar(engine, spec, check):
         assert finish == "stop" and check(text), text
 
 
+@pytest.mark.task("9.2")
 def test_a_constrained_request_gets_its_tokens_alone_and_batched(engine, tiny_model,
                                                                  smollm_tokenizer):
     """Greedy, next to unconstrained requests and a request under another grammar: the
@@ -104,6 +126,7 @@ def test_a_constrained_request_gets_its_tokens_alone_and_batched(engine, tiny_mo
         assert out.outputs[0].token_ids == alone
 
 
+@pytest.mark.task("9.2")
 def test_logprobs_come_from_the_masked_distribution(engine, tiny_model, smollm_tokenizer):
     """A greedy request's log-probabilities and alternatives are the model's logits with
     every token the grammar forbids removed: recomputed position by position."""
@@ -135,6 +158,7 @@ def _last_logits(model, ids):
                  mx.array([len(ids) - 1]))[0]
 
 
+@pytest.mark.task("9.2")
 def test_a_failed_step_rolls_the_matcher_back(engine, monkeypatch):
     """A step that fails after every sampler drew its token and advanced its matcher: the
     next step draws again from the restored generator and matcher, and the request's

@@ -40,6 +40,7 @@ CHAPTERS = {
     6: ("speculative.md", "Speculative decoding", "test_speculative.py"),
     7: ("moe.md", "Mixture of Experts", "test_moe.py"),
     8: ("tensor-parallel.md", "Beyond one machine", "test_tensor_parallel.py"),
+    9: ("serving.md", "Serving it: an OpenAI-compatible server", "test_structured.py"),
 }
 
 _COMMENT = {".py": "#", ".cpp": "//", ".h": "//", ".metal": "//"}

@@ -263,10 +263,12 @@ def constrained(row: np.ndarray, constraint: Constraint, history: TokenHistory |
                 ) -> np.ndarray:
     """A row of logits with every token its grammar does not allow next at -inf. A
     matcher that allows nothing (it failed) leaves the end tokens: the request ends."""
+    # TASK 9.2: constrained — Masking a row
     allowed = constraint.allowed()
     if not allowed.any() and history is not None:
         allowed[[t for t in history.end_token_ids if t < len(allowed)]] = True
     return np.where(allowed, np.asarray(row, dtype=np.float32), np.float32(-np.inf))
+    # END TASK
 # ANCHOR_END: constrained
 
 

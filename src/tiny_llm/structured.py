@@ -146,9 +146,11 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens that keep the output inside the grammar."""
+        # TASK 9.1: Constraint.allowed — The mask
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[: self.vocab_size]
         return bits.astype(bool)
+        # END TASK
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(token)
