@@ -193,7 +193,7 @@ def test_prefix_cache_hits_are_reported_as_cached_tokens(served, client):
     (dict(temperature=-1), openai.BadRequestError, "temperature"),
     (dict(top_p=0), openai.BadRequestError, "top_p"),
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
-    (dict(n=2), openai.BadRequestError, "n=1"),
+    (dict(n=0), openai.BadRequestError, "n must be"),
     (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
     (dict(max_tokens=600), openai.BadRequestError, "maximum context length is 512"),
     (dict(prompt=""), openai.BadRequestError, "empty"),
@@ -778,4 +778,38 @@ def test_structured_outputs_as_the_openai_client_asks_for_them(served, client):
         status, text = http(f"{url}/v1/chat/completions", {"messages": messages, **body})
         error = json.loads(text)["error"]
         assert status == 400 and error["param"] == param, text
+    settled(server)
+
+
+def test_n_samples_come_back_as_choices(served, client):
+    """n=3: three choices, each the request served alone with seed + index, streamed and
+    not; usage counts the prompt once and every sample's tokens; the server holds nothing
+    afterwards."""
+    url, server = served
+    engine = server.engine
+    messages = [{"role": "user", "content": "Three ways to say hello"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=8,
+                                         temperature=1.0, seed=5)
+    ids = engine.tokenize(messages)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3)
+    runs = [served_alone(engine.model, engine.tokenizer, ids, params.for_sample(i))
+            for i in range(3)]
+    alone = [text for _, text in runs]
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.message.content for c in got.choices] == alone
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.usage.completion_tokens == sum(len(tokens) for tokens, _ in runs)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, n=3, max_tokens=8, temperature=1.0, seed=5,
+        stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == alone
+    assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+    legacy = client.completions.create(model=MODEL, prompt="Hello", n=2, max_tokens=5,
+                                       temperature=0.7, seed=1, logprobs=1)
+    assert [c.index for c in legacy.choices] == [0, 1]
+    assert all(c.logprobs.text_offset[0] == 0 for c in legacy.choices)  # offsets per choice
     settled(server)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tiny_llm.structured import Constraint, StructuredOutput
@@ -120,6 +120,7 @@ def _logit_bias(value: object) -> dict[int, float]:
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # alternatives a token's record may list (OpenAI's top_logprobs limit)
+MAX_SAMPLES = 128  # samples of one prompt (OpenAI's limit on n)
 
 
 @dataclass
@@ -146,6 +147,8 @@ class SamplingParams:
     logprobs: int | None = None
     # A grammar the output must match (``structured.py``): JSON schema, regex, choice...
     structured: StructuredOutput | None = None
+    # Samples of the prompt (``generate`` and the server): they share the prompt's pages.
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.temperature = _real(
@@ -175,6 +178,9 @@ class SamplingParams:
         self.logprobs = _optional_int("logprobs", self.logprobs, 0)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise _invalid("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        self.n = _optional_int("n", self.n, 1)
+        if self.n is None or self.n > MAX_SAMPLES:
+            raise _invalid("n", f"an int in [1, {MAX_SAMPLES}]", self.n)
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise _invalid("structured", "a StructuredOutput", self.structured)
@@ -184,6 +190,10 @@ class SamplingParams:
                 if getattr(self, name):
                     raise ValueError(f"{name} cannot be combined with a structured output, "
                                      "which ends exactly where its grammar is complete")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Sample ``index``'s own params: one sample, seeded ``seed + index`` if seeded."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def drafts_allowed(self) -> bool:

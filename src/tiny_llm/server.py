@@ -47,7 +47,7 @@ from typing import Any
 
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
-from tiny_llm.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
 from tiny_llm.structured import GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
 
@@ -100,14 +100,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def add(self, prompt: Any, params: SamplingParams,
-            loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Queue]:
-        """Add a request (from a worker thread); its queue is registered before the engine
-        can produce an output for it. Raises APIError 503 when ``max_waiting`` requests
-        wait (checked and added as one, so a burst cannot all pass the check), and the
-        engine's ValueError/TypeError."""
+    def add(self, prompt: Any, params: SamplingParams, loop: asyncio.AbstractEventLoop
+            ) -> tuple[str, list[tuple[str, asyncio.Queue]]]:
+        """Add a request (from a worker thread): its id, and the id and output queue of
+        each of its ``params.n`` samples, registered before the engine can produce an
+        output. Raises APIError 503 when ``max_waiting`` requests wait (checked and added
+        as one, so a burst cannot all pass the check), and the engine's ValueError/TypeError."""
         request_id = f"req-{uuid.uuid4().hex}"
-        outputs: asyncio.Queue = asyncio.Queue()
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        samples = [(i, asyncio.Queue()) for i in ids]
         with self._admit:
             if self._closed is not None:
                 raise self._closed
@@ -115,17 +116,23 @@ class EngineLoop:
                     len(self.engine.scheduler.waiting) >= self.max_waiting:
                 raise APIError(503, f"the server is overloaded ({self.max_waiting} requests "
                                "waiting); retry later", kind="server_overloaded")
-            self.queues[request_id] = (loop, outputs)
+            for i, outputs in samples:
+                self.queues[i] = (loop, outputs)
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                if params.n == 1:
+                    self.engine.add_request(prompt, params, request_id=request_id)
+                else:
+                    self.engine.add_samples(prompt, params, request_id)
             except BaseException:
-                del self.queues[request_id]
+                for i in ids:
+                    del self.queues[i]
                 raise
         if self._closed is not None:  # closed while this add waited: not served either
-            self.abort(request_id)
+            for i in ids:
+                self.abort(i)
             raise self._closed
         self._wake.set()
-        return request_id, outputs
+        return request_id, samples
 
     def abort(self, request_id: str) -> None:
         """Abort a request whose client went away, from any thread or coroutine, without
@@ -353,8 +360,9 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if body.get("model") not in (None, model_name):
         raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
                        f"{model_name!r}", param="model", code="model_not_found")
-    if body.get("n") not in (None, 1):  # null means the default, as in OpenAI's API
-        raise APIError(400, "only n=1 is supported", param="n")
+    n = 1 if body.get("n") is None else body["n"]  # null means the default, as in OpenAI's
+    if type(n) is not int or not 1 <= n <= MAX_SAMPLES:
+        raise APIError(400, f"n must be an integer in [1, {MAX_SAMPLES}]", param="n")
     prompt = chat_messages(body) if chat else completion_prompt(body)
     options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens")
@@ -364,7 +372,7 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         max_tokens = 16  # OpenAI's default for completions
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
-                                structured=structured_output(body), **options)
+                                structured=structured_output(body), n=n, **options)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     stream = body.get("stream")
@@ -550,8 +558,9 @@ class Server:
         except RecursionError:
             raise APIError(400, "the request body nests too deeply") from None
 
-    async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, asyncio.Queue,
-                                                            int, Timeline]:
+    async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, list, int]:
+        """The parsed request, its id, each sample's (id, queue, timeline), the prompt's
+        length."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", kind="server_shutting_down")
         parsed = parse_request(body, chat, self.model_name)
@@ -559,10 +568,9 @@ class Server:
         ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
                                       parsed.params)
         num_prompt = len(ids)
-        timeline = Timeline()
         try:
             # the ids, not the prompt: the engine need not template and tokenize it again
-            request_id, queue = await asyncio.to_thread(
+            request_id, queues = await asyncio.to_thread(
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
         except GrammarError as e:
@@ -570,7 +578,7 @@ class Server:
             raise APIError(400, str(e), param=param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        return parsed, request_id, queue, num_prompt, timeline
+        return parsed, request_id, [(i, q, Timeline()) for i, q in queues], num_prompt
 
     async def outputs(self, request_id: str, queue: asyncio.Queue, timeline: Timeline):
         """The request's outputs until it finishes; aborts it if the consumer stops early
@@ -595,11 +603,50 @@ class Server:
     def token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
 
-    def usage(self, out: RequestOutput, num_prompt: int) -> dict[str, Any]:
-        completion = len(out.outputs[0].token_ids)
+    def usage(self, outs: list[RequestOutput], num_prompt: int) -> dict[str, Any]:
+        """Every sample's tokens; the prompt (and its cached tokens, the first sample's)
+        once."""
+        completion = sum(len(out.outputs[0].token_ids) for out in outs)
         return {"prompt_tokens": num_prompt, "completion_tokens": completion,
                 "total_tokens": num_prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
+
+    async def merged(self, samples: list):
+        """``(index, output)`` of every sample, as they come. Leaving early closes them
+        all (their requests are aborted)."""
+        streams = [self.outputs(i, q, t) for i, q, t in samples]
+        if len(streams) == 1:
+            async with contextlib.aclosing(streams[0]) as outs:
+                async for out in outs:
+                    yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for out in stream:
+                    await merged.put((index, out, None))
+                await merged.put((index, None, None))
+            except Exception as e:  # the engine's failure, or the server's end of it
+                await merged.put((index, None, e))
+
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            live = len(streams)
+            while live:
+                index, out, error = await merged.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    live -= 1
+                    continue
+                yield index, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
 
     async def complete(self, request, chat: bool):
         from sse_starlette.sse import EventSourceResponse
@@ -607,47 +654,52 @@ class Server:
 
         try:
             body = await self.read_body(request)
-            parsed, request_id, queue, num_prompt, timeline = await self.submit(body, chat)
+            parsed, request_id, samples, num_prompt = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
         shape = (ChatShape if chat else CompletionShape)(request_id, self.model_name,
                                                          self.token_text)
         if parsed.stream:
-            return EventSourceResponse(self.events(parsed, request_id, queue, num_prompt,
-                                                   timeline, shape), ping=15)
-        last, text = None, []
-        stream = self.outputs(request_id, queue, timeline)
+            return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
+                                       ping=15)
+        last: list[RequestOutput | None] = [None] * len(samples)
+        texts: list[list[str]] = [[] for _ in samples]
+        outs = self.merged(samples)
         try:
-            async for out in stream:
-                last = out
-                text.append(out.text_delta)
+            async for index, out in outs:
+                last[index] = out
+                texts[index].append(out.text_delta)
                 if await request.is_disconnected():
                     break
         except APIError as e:
             return error_response(e)
         finally:
-            await stream.aclose()
-        if last is None or not last.finished:
+            await outs.aclose()
+        if any(out is None or not out.finished for out in last):
             return error_response(APIError(499, "the client closed the request"))
-        return JSONResponse(shape.whole("".join(text), last.finish_reason,
-                                        self.usage(last, num_prompt), last.outputs[0].logprobs))
+        choices = [shape.choice(i, "".join(texts[i]), out.finish_reason, out.outputs[0].logprobs)
+                   for i, out in enumerate(last)]
+        return JSONResponse(shape.whole(choices, self.usage(last, num_prompt)))
 
-    async def events(self, parsed: ParsedRequest, request_id: str, queue: asyncio.Queue,
-                     num_prompt: int, timeline: Timeline, shape):
-        yield json.dumps(shape.first())
+    async def events(self, parsed: ParsedRequest, samples: list, num_prompt: int, shape):
+        for index in range(len(samples)):
+            yield json.dumps(shape.first(index))
+        finals: list[RequestOutput] = []
         try:
             # aclosing: a cancelled stream closes its outputs (and aborts) at once, not when
             # the abandoned generator is collected.
-            async with contextlib.aclosing(self.outputs(request_id, queue, timeline)) as outs:
-                sent = 0  # logprob records sent: a token's may wait for its text
-                async for out in outs:
+            async with contextlib.aclosing(self.merged(samples)) as outs:
+                sent = [0] * len(samples)  # logprob records sent: a token's may wait for its text
+                async for index, out in outs:
                     if out.text_delta or out.finished:
                         records = out.outputs[0].logprobs
-                        yield json.dumps(shape.chunk(out.text_delta, out.finish_reason,
-                                                     records and records[sent:]))
-                        sent = len(records or ())
-                    if out.finished and parsed.include_usage:
-                        yield json.dumps(shape.usage_chunk(self.usage(out, num_prompt)))
+                        yield json.dumps(shape.chunk(index, out.text_delta, out.finish_reason,
+                                                     records and records[sent[index]:]))
+                        sent[index] = len(records or ())
+                    if out.finished:
+                        finals.append(out)
+            if parsed.include_usage:
+                yield json.dumps(shape.usage_chunk(self.usage(finals, num_prompt)))
         except APIError as e:
             yield json.dumps(e.body())
         yield "[DONE]"
@@ -662,37 +714,40 @@ class CompletionShape:
     def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
         self.token_text = token_text
-        self.text_offset = 0  # characters of the tokens whose logprobs went out
+        self.text_offset: dict[int, int] = {}  # per choice: characters whose logprobs went out
 
     def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
 
-    def first(self) -> dict[str, Any]:
-        return self.chunk("", None, None)
+    def first(self, index: int) -> dict[str, Any]:
+        return self.chunk(index, "", None, None)
 
-    def chunk(self, text: str, finish_reason: str | None,
+    def chunk(self, index: int, text: str, finish_reason: str | None,
               records: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.envelope([{"index": 0, "text": text, "logprobs": self.logprobs(records),
-                               "finish_reason": finish_reason}])
+        return self.envelope([self.choice(index, text, finish_reason, records)])
 
     def usage_chunk(self, usage: dict) -> dict[str, Any]:
         return self.envelope([], usage=usage)
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict,
-              records: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.envelope([{"index": 0, "text": text, "logprobs": self.logprobs(records),
-                               "finish_reason": finish_reason}], usage=usage)
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               records: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self.logprobs(records, index),
+                "finish_reason": finish_reason}
 
-    def logprobs(self, records: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:
+        return self.envelope(choices, usage=usage)
+
+    def logprobs(self, records: list[TokenLogprob] | None,
+                 index: int = 0) -> dict[str, Any] | None:
         """The legacy completions' shape: parallel lists, the alternatives as dicts."""
         if records is None:
             return None
         tokens = [self.token_text(r.token) for r in records]
         offsets = []
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(token)
         return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
                 "top_logprobs": [{self.token_text(t): lp for t, lp in r.top} for r in records],
                 "text_offset": offsets}
@@ -707,24 +762,27 @@ class ChatShape(CompletionShape):
         super().__init__(request_id, model, token_text)
         self.id = f"chatcmpl-{request_id}"
 
-    def first(self) -> dict[str, Any]:
-        return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def first(self, index: int) -> dict[str, Any]:
+        return self.envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
 
-    def chunk(self, text: str, finish_reason: str | None,
+    def chunk(self, index: int, text: str, finish_reason: str | None,
               records: list[TokenLogprob] | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self.envelope([{"index": 0, "delta": delta, "logprobs": self.logprobs(records),
+        return self.envelope([{"index": index, "delta": delta,
+                               "logprobs": self.logprobs(records),
                                "finish_reason": finish_reason}])
 
-    def whole(self, text: str, finish_reason: str | None, usage: dict,
-              records: list[TokenLogprob] | None) -> dict[str, Any]:
-        body = self.envelope([{"index": 0, "message": {"role": "assistant", "content": text},
-                               "logprobs": self.logprobs(records),
-                               "finish_reason": finish_reason}], usage=usage)
-        return {**body, "object": "chat.completion"}
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               records: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(records), "finish_reason": finish_reason}
 
-    def logprobs(self, records: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:
+        return {**self.envelope(choices, usage=usage), "object": "chat.completion"}
+
+    def logprobs(self, records: list[TokenLogprob] | None,
+                 index: int = 0) -> dict[str, Any] | None:
         """The chat shape: one entry per token, its alternatives inside it."""
         if records is None:
             return None

@@ -38,14 +38,21 @@ class EngineCore:
     """The serving loop over one scheduler, one model runner and, optionally, speculation."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner,
-                 spec: SpeculativeDecoding | None, outputs: OutputRouter):
+                 spec: SpeculativeDecoding | None, outputs: OutputRouter,
+                 shares_prompts: bool = False):
         self.scheduler, self.runner, self.spec, self.outputs = scheduler, runner, spec, outputs
+        # Samples of one prompt after the first wait here until the first has computed the
+        # prompt: then the prefix cache gives them its pages (shares_prompts: paged K/V
+        # with prefix caching), and each computes only the prompt's last, partial page.
+        self.shares_prompts = shares_prompts
+        self.held: list[tuple[Request, Request]] = []  # (sample, the first sample)
         self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0,
                          "num_generated_tokens": 0}
 
     # ANCHOR: step
     def step(self) -> None:
         self.reap_abandoned()
+        self.release_held()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         chunks = self.scheduler.schedule()
@@ -91,8 +98,20 @@ class EngineCore:
             self.counters["num_generated_tokens"] += len(appended)
         self.counters["num_steps"] += 1
 
-    def add(self, request: Request) -> None:
-        self.scheduler.add(request)
+    def add(self, request: Request, after: Request | None = None) -> None:
+        """Queue ``request``; a sample ``after`` the first of its prompt waits for it."""
+        if after is not None and self.shares_prompts:
+            self.held.append((request, after))
+        else:
+            self.scheduler.add(request)
+
+    def release_held(self) -> None:
+        """Queue the samples whose first sample has computed the prompt (or finished)."""
+        ready = [(r, first) for r, first in self.held if first.is_finished
+                 or first.num_computed_tokens >= len(first.prompt_token_ids)]
+        for pair in ready:
+            self.held.remove(pair)
+            self.scheduler.add(pair[0])
 
     def abort(self, request: Request) -> None:
         """Finish ``request`` with reason "abort", free its slot and pages, route the output."""
@@ -101,6 +120,7 @@ class EngineCore:
         self.outputs.route(request, request.output([], delta))
 
     def retire(self, request: Request) -> None:
+        self.held = [(r, first) for r, first in self.held if r is not request]
         self.scheduler.retire(request)
         if self.spec is not None:
             self.spec.proposer.release(request)
@@ -124,7 +144,8 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         self.reap_abandoned()
-        return self.scheduler.has_unfinished() or bool(self.outputs.pending)
+        return (self.scheduler.has_unfinished() or bool(self.held)
+                or bool(self.outputs.pending))
 
     def stats(self) -> dict[str, Any]:
         kv = self.runner.kv
@@ -132,7 +153,7 @@ class EngineCore:
             **self.counters,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.held),
             "kv_cache_bytes": kv.nbytes(),
             **kv.stats(),
             **(self.spec.stats() if self.spec is not None else {}),

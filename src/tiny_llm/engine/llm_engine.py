@@ -22,7 +22,7 @@ import functools
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from tiny_llm.cpu_kernels import check_int8_activations
@@ -87,7 +87,7 @@ class LLMEngine:
         self.outputs = OutputRouter()
         self.core = EngineCore(self.scheduler, self.runner,
                                _speculation(cfg, model, tokenizer, self.max_model_len),
-                               self.outputs)
+                               self.outputs, cfg.kv_cache == "paged" and cfg.enable_prefix_caching)
         self.inputs = InputProcessor(tokenizer, model.config.vocab_size, cfg,
                                      self.max_model_len, self.kv.capacity_tokens)
         self._lock = threading.RLock()
@@ -125,14 +125,41 @@ class LLMEngine:
         """Queue a request whose outputs ``step()`` returns. Raises ValueError/TypeError
         and changes nothing on bad input."""
         with self._lock:
-            return self._add(prompt, params, request_id, collect=False).request_id
+            return self._add(_one_sample(params), prompt, request_id, collect=False).request_id
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-             collect: bool) -> Request:
+    def add_samples(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> list[str]:
+        """Queue ``params.n`` samples of one prompt, whose outputs ``step()`` returns: ids
+        ``request_id-0`` .. ``-(n-1)``. The first computes the prompt; the others then
+        share its pages. All or nothing on bad input."""
+        with self._lock:
+            base = self.outputs.new_id(request_id)
+            return [r.request_id for r in self._add_samples(prompt, params, base, False)]
+
+    def _add_samples(self, prompt: Prompt, params: SamplingParams, base: str,
+                     collect: bool) -> list[Request]:
+        if params.n == 1:
+            return [self._add(params, prompt, base, collect)]
+        samples: list[Request] = []
+        try:
+            for i in range(params.n):
+                first = samples[0] if samples else None
+                what = prompt if first is None else {"prompt_token_ids": first.prompt_token_ids}
+                samples.append(self._add(params.for_sample(i), what, f"{base}-{i}", collect,
+                                         after=first))
+        except (ValueError, TypeError):
+            self.core.drop(samples)
+            raise
+        for r in samples[1:]:  # the prompt's text, not the ids the others were given
+            r.prompt = samples[0].prompt
+        return samples
+
+    def _add(self, params: SamplingParams | None, prompt: Prompt, request_id: str | None,
+             collect: bool, after: Request | None = None) -> Request:
         self.core.reap_abandoned()
         request = self.inputs.make_request(prompt, params, self.outputs.new_id(request_id))
         self.outputs.register(request, collect)
-        self.core.add(request)
+        self.core.add(request, after)
         return request
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -171,15 +198,20 @@ class LLMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order. All or nothing: a bad
-        prompt adds none of them; an interrupt aborts the ones still running."""
+        """Run every prompt to completion; outputs in input order, ``n`` completions each
+        where the params ask for several. All or nothing: a bad prompt adds none of them;
+        an interrupt aborts the ones still running."""
         prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         requests: list[Request] = []
+        groups: list[int] = []  # samples per prompt
         with self._lock:
             try:
                 for p, sp in zip(prompts, params, strict=True):
-                    requests.append(self._add(p, sp, None, collect=True))
+                    sp = sp or SamplingParams()
+                    samples = self._add_samples(p, sp, self.outputs.new_id(None), True)
+                    requests += samples
+                    groups.append(len(samples))
             except (ValueError, TypeError):
                 self.core.drop(requests)
                 raise
@@ -199,13 +231,18 @@ class LLMEngine:
             if bar:
                 bar.close()
             self.drop([r for r in requests if r not in final])
-        return [final[r] for r in requests]
+        outs, start = [], 0
+        for size in groups:
+            outs.append(_merged([final[r] for r in requests[start:start + size]]))
+            start += size
+        return outs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
         """An iterator over one request's outputs as they are produced. Bad input raises
         here, before any iteration; closing or dropping the iterator aborts the request."""
         with self._lock:
-            return RequestStream(self, self._add(prompt, params, None, collect=True))
+            return RequestStream(self, self._add(_one_sample(params), prompt, None,
+                                                 collect=True))
 
     def next_output(self, request: Request) -> RequestOutput:
         """The next output of a ``stream``'s request, stepping the engine until there is one."""
@@ -304,6 +341,24 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
         proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels))
     policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
     return SpeculativeDecoding(proposer, policy, model.config.vocab_size)
+
+
+def _one_sample(params: SamplingParams | None) -> SamplingParams | None:
+    if params is not None and getattr(params, "n", 1) > 1:
+        raise ValueError(f"n={params.n}: one request streams one sample; generate() and "
+                         "add_samples() serve several")
+    return params
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """The samples of one prompt as one output: its completions indexed 0 .. n-1."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt,
+                         first.prompt_token_ids, completions, True,
+                         num_cached_tokens=first.num_cached_tokens)
 
 
 def _params_per_prompt(sampling_params: Any, n: int) -> list[SamplingParams | None]:

@@ -1,0 +1,87 @@
+"""Several samples of one prompt (``SamplingParams(n=...)``) over shared pages.
+
+The first sample computes the prompt; the others wait for it, then take its full pages from
+the prefix cache and compute only the last, partial page. Oracles: each sample is the
+request served alone with the seed ``seed + index``; the engine's counters say how many
+prompt tokens were computed and served from the cache; after aborts, every page is free.
+"""
+
+from __future__ import annotations
+
+from tiny_llm.engine import LLMEngine
+from tiny_llm.sampling import SamplingParams
+from tiny_llm.testing.runs import served_alone
+
+import pytest
+
+PROMPT = list(range(100, 150))  # 50 tokens: three full pages of 16 and two tokens
+
+
+def engine_of(tiny_model, smollm_tokenizer, **options):
+    return LLMEngine(tiny_model, smollm_tokenizer, num_pages=128, page_size=16, **options)
+
+
+def test_samples_share_the_prompts_pages_and_draw_from_their_own_seeds(tiny_model,
+                                                                       smollm_tokenizer):
+    engine = engine_of(tiny_model, smollm_tokenizer)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6)
+    out, plain = engine.generate([{"prompt_token_ids": PROMPT}, "Hello"], [params, None],
+                                 use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len(plain.outputs) == 1
+    for i, completion in enumerate(out.outputs):
+        alone = served_alone(tiny_model, smollm_tokenizer, PROMPT, params.for_sample(i))[0]
+        assert completion.token_ids == alone
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4  # four seeds, four samples
+    stats = engine.stats()
+    hello = len(engine.tokenize("Hello"))
+    assert stats["num_prompt_tokens_computed"] == len(PROMPT) + 3 * 2 + hello
+    assert stats["prefix_cache_hit_tokens"] == 3 * 48
+    assert stats["num_free_pages"] == stats["num_pages"]
+
+
+def test_without_prefix_caching_every_sample_computes_the_prompt(tiny_model, smollm_tokenizer):
+    engine = engine_of(tiny_model, smollm_tokenizer, enable_prefix_caching=False)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=5)  # their prompts in one step
+    out = engine.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    for i, completion in enumerate(out.outputs):
+        assert completion.token_ids == served_alone(tiny_model, smollm_tokenizer, PROMPT,
+                                                    params.for_sample(i))[0]
+    assert engine.stats()["num_prompt_tokens_computed"] == 3 * len(PROMPT)
+
+
+def test_aborting_some_samples_leaves_no_page_behind(tiny_model, smollm_tokenizer):
+    """Abort a waiting sample before the first has computed the prompt and a running one
+    mid-decode; the rest finish with their tokens, and every page is free afterwards."""
+    engine = engine_of(tiny_model, smollm_tokenizer, max_num_batched_tokens=32)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    ids = engine.add_samples({"prompt_token_ids": PROMPT}, params, "job")
+    assert ids == [f"job-{i}" for i in range(4)]
+    engine.abort("job-3")  # still waiting for the first sample's prompt
+    finished: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 5:
+            engine.abort("job-2")
+    assert set(finished) == set(ids)
+    for i in (0, 1):
+        assert finished[f"job-{i}"] == served_alone(tiny_model, smollm_tokenizer, PROMPT,
+                                                    params.for_sample(i))[0]
+    assert finished["job-3"] == [] and len(finished["job-2"]) < 12
+    stats = engine.stats()
+    assert stats["num_free_pages"] == stats["num_pages"] and not engine.core.held
+
+
+def test_several_samples_are_refused_where_one_stream_is_expected(tiny_model,
+                                                                  smollm_tokenizer):
+    engine = engine_of(tiny_model, smollm_tokenizer)
+    with pytest.raises(ValueError, match="one sample"):
+        engine.add_request("hi", SamplingParams(n=2))
+    with pytest.raises(ValueError, match="one sample"):
+        engine.stream("hi", SamplingParams(n=2))
+    for n in (0, 129, 1.5):
+        with pytest.raises(ValueError, match="n must be"):
+            SamplingParams(n=n)
