@@ -358,8 +358,8 @@ MUTANTS = {
     "8.3": (TP, "arrays = [batch.token_ids, batch.positions,",  # not the order it is read in
             "arrays = [batch.positions, batch.token_ids,"),
     "9.1": (STRUCTURED, 'bitorder="little"', 'bitorder="big"'),  # each byte's bits reversed
-    "9.2": (SAMPLING, "np.where(allowed, np.asarray(row, dtype=np.float32), np.float32(-np.inf))",
-            "np.where(allowed, np.float32(-np.inf), np.asarray(row, dtype=np.float32))"),
+    "9.2": (SAMPLING, "np.where(constraint.allowed(), np.asarray(row, dtype=np.float32),",
+            "np.where(~constraint.allowed(), np.asarray(row, dtype=np.float32),"),  # inverted
 }
 
 

@@ -730,7 +730,8 @@ def test_shutdown_is_bounded_and_ends_streams_with_an_error():
 
 
 PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "maximum": 120},
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "langs": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3}},
     "required": ["name", "age"], "additionalProperties": False}
 

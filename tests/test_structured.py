@@ -28,7 +28,8 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
         "pet": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
-            "kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "maximum": 8}},
+            "kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0,
+                                                      "maximum": 8}},
             "required": ["kind"], "additionalProperties": False}]},
     },
     "required": ["name", "age"],
@@ -202,3 +203,37 @@ def test_a_grammar_that_does_not_compile_is_refused_at_admission(engine):
         StructuredOutput(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured=StructuredOutput(regex="a"))
+
+
+@pytest.mark.task("9.2")
+def test_a_schemas_properties_come_in_its_order(engine):
+    schema = {"type": "object", "properties": {"zeta": {"enum": [1, 2]}, "alpha": {
+        "enum": ["x", "y"]}}, "required": ["zeta", "alpha"], "additionalProperties": False}
+    for text, finish in texts(engine, [StructuredOutput(json=schema)] * 4, [0.0, 1.0] * 2):
+        assert finish == "stop" and list(json.loads(text)) == ["zeta", "alpha"], text
+
+
+@pytest.mark.task("9.2")
+def test_logprob_alternatives_are_tokens_the_grammar_allows(engine):
+    """Asked for more alternatives than the grammar allows, a record lists only tokens that
+    could have been drawn (finite log-probabilities, JSON-serialisable)."""
+    spec = StructuredOutput(choice=["yes", "no"])
+    out = engine.generate(["Pick"], SamplingParams(temperature=0.7, seed=2, max_tokens=5,
+                                                   logprobs=8, structured=spec),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.logprobs and all(np.isfinite(lp) for r in out.logprobs for _, lp in r.top)
+    json.dumps([[r.logprob, r.top] for r in out.logprobs], allow_nan=False)
+
+
+def test_the_end_token_after_a_complete_grammar_is_not_counted(engine, smollm_tokenizer):
+    """A complete grammar takes its end token without keeping it: a rollback of the step
+    that drew it must not undo a real token."""
+    constraint = engine.inputs.grammars.constraint(StructuredOutput(choice=["yes"]))
+    start = set(np.flatnonzero(constraint.allowed()))
+    tokens = smollm_tokenizer.encode("yes", add_special_tokens=False)
+    for token in tokens:
+        constraint.consume(token)
+    constraint.consume(smollm_tokenizer.eos_token_id)
+    assert constraint.consumed == len(tokens)
+    constraint.rollback(0)
+    assert set(np.flatnonzero(constraint.allowed())) == start

@@ -262,22 +262,19 @@ def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
     best = np.array([], dtype=np.int64)
     if k:  # the k highest without sorting the vocabulary: those at or above the k-th, ranked
         kth = np.partition(x, len(x) - k)[len(x) - k]
-        ids = np.flatnonzero(x >= kth)
+        # Only tokens that could be drawn: a grammar's mask leaves the others at -inf.
+        ids = np.flatnonzero(x >= kth) if np.isfinite(kth) else np.flatnonzero(np.isfinite(x))
         best = ids[np.lexsort((ids, -x[ids]))][:k]  # ties by ascending id
     return TokenLogprob(token, float(x[token] - log_norm),
                         tuple((int(t), float(x[t] - log_norm)) for t in best))
 
 
 # ANCHOR: constrained
-def constrained(row: np.ndarray, constraint: Constraint, history: TokenHistory | None
-                ) -> np.ndarray:
-    """A row of logits with every token its grammar does not allow next at -inf. A
-    matcher that allows nothing (it failed) leaves the end tokens: the request ends."""
+def constrained(row: np.ndarray, constraint: Constraint) -> np.ndarray:
+    """A float32 row of logits with every token its grammar does not allow next at -inf
+    (the grammar always allows something: at its end, the end tokens)."""
     # TASK 9.2: constrained — Masking a row
-    allowed = constraint.allowed()
-    if not allowed.any() and history is not None:
-        allowed[[t for t in history.end_token_ids if t < len(allowed)]] = True
-    return np.where(allowed, np.asarray(row, dtype=np.float32), np.float32(-np.inf))
+    return np.where(constraint.allowed(), np.asarray(row, dtype=np.float32), np.float32(-np.inf))
     # END TASK
 # ANCHOR_END: constrained
 
@@ -443,7 +440,7 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
         for b, row in zip(on_host, np.array(_rows(logits, on_host)), strict=True):
             s = samplers[b]
             if s.constraint is not None:
-                row = constrained(row, s.constraint, s.history)
+                row = constrained(row, s.constraint)
             if s.params.penalized:
                 row = penalize(row, s.params, s.history)
             # np.argmax: the lowest token id on ties, as the device's argmax

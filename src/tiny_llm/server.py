@@ -48,7 +48,7 @@ from typing import Any
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
-from tiny_llm.structured import GrammarError, StructuredOutput
+from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
 
 log = logging.getLogger("tiny_llm")
@@ -392,21 +392,26 @@ def structured_output(body: dict) -> StructuredOutput | None:
     (``json_schema``, ``json_object``; ``text`` asks for none) or vLLM's
     ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)."""
     fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if isinstance(fmt, dict) and fmt.get("type") == "text":
+        fmt = None  # asks for nothing
     if fmt is not None and vllm is not None:
         raise APIError(400, "give response_format or structured_outputs, not both",
                        param="structured_outputs")
     if vllm is not None:
         if not isinstance(vllm, dict):
             raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+        given = {k: v for k, v in vllm.items() if v is not None}  # clients send nulls
+        unknown = sorted(set(given) - set(KINDS))
+        if unknown:
+            raise APIError(400, f"structured_outputs takes one of {', '.join(KINDS)}; this "
+                           f"server does not do {', '.join(unknown)}", param="structured_outputs")
         try:
-            return StructuredOutput(**vllm)
+            return StructuredOutput(**given)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
     if kind == "json_object":
         return StructuredOutput(json_object=True)
     if kind == "json_schema":
@@ -574,7 +579,8 @@ class Server:
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
         except GrammarError as e:
-            param = "structured_outputs" if "structured_outputs" in body else "response_format"
+            param = ("structured_outputs" if body.get("structured_outputs") is not None
+                     else "response_format")
             raise APIError(400, str(e), param=param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None

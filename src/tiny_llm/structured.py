@@ -3,10 +3,11 @@
 A request may carry a ``StructuredOutput``: a JSON schema, any JSON object, a regular
 expression, a choice among strings, or a grammar (Lark, or the EBNF/GBNF dialect of
 llama.cpp, converted). At admission the engine compiles it, once per distinct grammar
-(``Grammars``), and gives the request its own matcher (``Constraint``). Before each of the
-request's tokens is sampled, the matcher says which tokens of the vocabulary keep the output
-a prefix of some sentence of the grammar; every other logit becomes -inf, before penalties,
-temperature and filters, so the distribution sampled from is the model's own, restricted.
+(``Grammars``), and gives the request its own copy of the matcher (``Constraint``).
+Before each of the request's tokens is sampled, the matcher says which tokens of the
+vocabulary keep the output a prefix of some sentence of the grammar; every other logit
+becomes -inf, before penalties, temperature and filters, so the distribution sampled from
+is the model's own, restricted.
 The sampled token advances the matcher; a step that fails rolls it back, as it rewinds the
 request's random generator. End-of-sequence tokens are allowed exactly where the output is
 a whole sentence, so a constrained request ends when its grammar is done.
@@ -25,12 +26,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger("tiny_llm")
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMARS = 256  # compiled grammars an engine keeps
 # JSON as json.dumps writes it, on one line: free whitespace between tokens would let a
 # model pad its output without end. A schema's own "x-guidance" options override these.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -73,17 +79,21 @@ class StructuredOutput:
 
     @property
     def key(self) -> str:
-        """The grammar's identity, for the cache of compiled grammars."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """The grammar's identity, for the cache of compiled grammars (a schema's keys in
+        their order: a JSON schema's properties are generated in that order)."""
+        return json.dumps(asdict(self))
 # ANCHOR_END: structured_output
 
 
 class Grammars:
     """An engine's grammar compiler: llguidance's view of the tokenizer (built on first
-    use) and every grammar compiled so far, each checked once."""
+    use) and a compiled matcher per distinct grammar, which each request's matcher is a
+    copy of."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiled: dict[str, Any] = {}  # key -> a fresh matcher of that grammar
+        self._lock = threading.Lock()
 
     @functools.cached_property
     def lltokenizer(self) -> Any:
@@ -93,28 +103,29 @@ class Grammars:
                                       eos_token=sorted(self.tokenizer.eos_token_ids))
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
-        """A fresh matcher for one request; ``GrammarError``, naming the problem, for a
-        grammar that does not compile."""
+        """A fresh matcher for one request (a copy of the grammar's compiled one);
+        ``GrammarError``, naming the problem, for a grammar that does not compile."""
+        with self._lock:
+            template = self._compiled.get(spec.key)
+        if template is None:
+            template = self._compile(spec)
+            with self._lock:
+                if len(self._compiled) >= MAX_GRAMMARS:  # the oldest goes
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[spec.key] = template
+        return Constraint(template.deep_copy(), self.vocab_size)
+
+    def _compile(self, spec: StructuredOutput) -> Any:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.lltokenizer, self._compiled(spec.key), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"the structured output does not compile: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019 (one Grammars per engine, kept for its life)
-    def _compiled(self, key: str) -> str:
-        import llguidance
-
-        spec = json.loads(key)
         try:
-            grammar = _grammar_text(spec)
+            grammar = _grammar_text(asdict(spec))
         except (ValueError, TypeError, RuntimeError) as e:
             raise GrammarError(f"the structured output does not compile: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer)
-        if error:
-            raise GrammarError(f"the structured output does not compile: {error}")
-        return grammar
+        matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the structured output does not compile: {matcher.get_error()}")
+        return matcher
 
 
 def _grammar_text(spec: dict[str, Any]) -> str:
@@ -153,7 +164,10 @@ class Constraint:
         # END TASK
 
     def consume(self, token: int) -> None:
-        self.matcher.consume_token(token)
+        if self.matcher.is_stopped():  # the grammar is complete: its end token is not kept
+            return
+        if not self.matcher.consume_token(token):  # a token the mask allowed: a matcher bug
+            log.warning("a structured output's matcher failed: %s", self.matcher.get_error())
         self.consumed += 1
 
     def rollback(self, consumed: int) -> None:

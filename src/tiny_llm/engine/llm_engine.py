@@ -124,17 +124,26 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request whose outputs ``step()`` returns. Raises ValueError/TypeError
         and changes nothing on bad input."""
+        params = _one_sample(params)
+        self._compile(params)
         with self._lock:
-            return self._add(_one_sample(params), prompt, request_id, collect=False).request_id
+            return self._add(params, prompt, request_id, collect=False).request_id
 
     def add_samples(self, prompt: Prompt, params: SamplingParams,
                     request_id: str | None = None) -> list[str]:
         """Queue ``params.n`` samples of one prompt, whose outputs ``step()`` returns: ids
         ``request_id-0`` .. ``-(n-1)``. The first computes the prompt; the others then
         share its pages. All or nothing on bad input."""
+        self._compile(params)
         with self._lock:
             base = self.outputs.new_id(request_id)
             return [r.request_id for r in self._add_samples(prompt, params, base, False)]
+
+    def _compile(self, params: SamplingParams | None) -> None:
+        """Compile a structured output's grammar before the engine's lock is taken (the
+        steps go on meanwhile); the request then gets a copy of the compiled matcher."""
+        if params is not None and getattr(params, "structured", None) is not None:
+            self.inputs.grammars.constraint(params.structured)
 
     def _add_samples(self, prompt: Prompt, params: SamplingParams, base: str,
                      collect: bool) -> list[Request]:
