@@ -405,9 +405,10 @@ SERVE_ARGS = ["-m", "tiny_llm.cli", "serve", "--tensor-parallel-size", "3", "--n
 
 @pytest.mark.device_independent  # processes and sockets, not device decisions
 def test_serve_on_three_ranks_answers_the_openai_client(tmp_path):
-    """The default model split over 3 ranks: the single process's greedy replies, streamed
-    or not; three requests at once get the tokens each gets alone; SIGTERM to rank 0 ends
-    every rank."""
+    """The default model split over 3 ranks: three requests at once, one streamed, get the
+    single process's greedy replies; SIGTERM to rank 0 ends every rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tiny_llm.engine import LLM
 
     import openai
@@ -423,26 +424,17 @@ def test_serve_on_three_ranks_answers_the_openai_client(tmp_path):
                                max_retries=0)
         _wait_healthy(client, ranks)
 
-        def ask(q: str, stream: bool = False):
-            return client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": q}], temperature=0,
-                max_tokens=8, logprobs=True, top_logprobs=2, stream=stream)
-
-        alone = [ask(q) for q in questions]
-        for reply, want in zip(alone, single, strict=True):
-            assert reply.choices[0].message.content == want.outputs[0].text
-        streamed = "".join(c.choices[0].delta.content or "" for c in ask(questions[0], True)
-                           if c.choices)
-        assert streamed == single[0].outputs[0].text
-        from concurrent.futures import ThreadPoolExecutor
+        def ask(i: int) -> str:
+            reply = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": questions[i]}],
+                temperature=0, max_tokens=8, stream=i == 0)
+            if i:
+                return reply.choices[0].message.content
+            return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
 
         with ThreadPoolExecutor(3) as pool:
-            together = list(pool.map(ask, questions))
-        for a, b in zip(alone, together, strict=True):
-            mine, theirs = a.choices[0].logprobs.content, b.choices[0].logprobs.content
-            assert [t.token for t in mine] == [t.token for t in theirs]
-            np.testing.assert_allclose([t.logprob for t in mine], [t.logprob for t in theirs],
-                                       atol=LOGPROB_ATOL)
+            replies = list(pool.map(ask, range(3)))
+        assert replies == [out.outputs[0].text for out in single]
         ranks.procs[0].send_signal(signal.SIGTERM)
         codes = ranks.wait(60)
     finally:
