@@ -58,7 +58,7 @@ def run(engine, batch: int, constrained: bool) -> tuple[float, float]:
         live = [r for r in requests if not r.is_finished and r.sampler.constraint]
         start = time.perf_counter()
         for r in live:  # the same states the next step masks from
-            mask_row(row, r.sampler.constraint, r.sampler.history)
+            mask_row(row, r.sampler.constraint)
         masks.append(time.perf_counter() - start)
     return statistics.median(steps[3:]), statistics.median(masks[3:]) if constrained else 0.0
 
