@@ -129,6 +129,36 @@ def test_tensor_parallelism_outside_mlx_launch_says_how_to_start_it(smollm_token
                   kv_cache="dense")
 
 
+def test_rank_0_trusts_only_a_worker_that_names_itself_with_the_token():
+    """A new connection at start-up: the right token and a worker's rank are accepted;
+    garbage, JSON of another shape, a wrong token or rank 0's own rank are turned away."""
+    import socket
+    import struct
+
+    from tiny_llm.tensor_parallel import Channel, _hello
+
+    def greet(payload: bytes | dict) -> int | None:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            theirs = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+        with ours, theirs:
+            if isinstance(payload, dict):
+                Channel(theirs).send(payload)
+            else:
+                theirs.sendall(payload)
+            theirs.shutdown(socket.SHUT_WR)
+            return _hello(ours, "secret", 3)
+
+    assert greet({"rank": 2, "token": "secret"}) == 2
+    assert greet({"rank": 0, "token": "secret"}) is None
+    assert greet({"rank": 1, "token": "guess"}) is None
+    assert greet(b"GET / HTTP/1.1\r\n\r\n") is None
+    body = b'{"rank": 1, "token": "secret"}'  # valid JSON, no array list
+    assert greet(struct.pack("!QI", len(body), len(body)) + body) is None
+    body = b"[1, 2]"
+    assert greet(struct.pack("!QI", len(body), len(body)) + body) is None
+
+
 # ------------------------------------------------------------------ real ranks
 
 RANK_SCRIPT = textwrap.dedent("""

@@ -308,7 +308,7 @@ def _hello(sock: socket.socket, token: str, size: int) -> int | None:
     sock.settimeout(HELLO_TIMEOUT)
     try:
         hello, _ = Channel(sock).receive(limit=HELLO_BYTES)
-    except (ValueError, TypeError):  # not our framing or not JSON
+    except (ValueError, TypeError, KeyError, AttributeError, struct.error):  # not our framing
         return None
     sock.settimeout(None)
     if not isinstance(hello, dict) or hello.get("token") != token:
@@ -393,7 +393,7 @@ def step_message(batch: StepBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
 def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBatch:
     """The worker's copy of rank 0's step: the same rows, pages and layout (the tables
     are the block table's rows up to their first -1)."""
-    tables = [[int(p) for p in row if p >= 0] for row in arrays[3]]
+    tables = [row[row >= 0].tolist() for row in arrays[3]]
     token_ids, positions, slot_mapping, block_table, context_lens, query_start_loc = (
         mx.array(a) for a in arrays)
     return StepBatch(
