@@ -142,7 +142,7 @@ class LLMEngine:
     def _compile(self, params: SamplingParams | None) -> None:
         """Compile a structured output's grammar before the engine's lock is taken (the
         steps go on meanwhile); the request then gets a copy of the compiled matcher."""
-        if params is not None and params.structured is not None:
+        if isinstance(params, SamplingParams) and params.structured is not None:
             self.inputs.grammars.constraint(params.structured)
 
     def _add_samples(self, prompt: Prompt, params: SamplingParams, base: str,
@@ -353,7 +353,7 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
 
 
 def _one_sample(params: SamplingParams | None) -> SamplingParams | None:
-    if params is not None and params.n > 1:
+    if isinstance(params, SamplingParams) and params.n > 1:  # other types: make_request says
         raise ValueError(f"n={params.n}: one request streams one sample; generate() and "
                          "add_samples() serve several")
     return params
