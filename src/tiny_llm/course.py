@@ -152,12 +152,14 @@ def test_files(task: Task) -> list[Path]:
 def run_task_tests(task: Task, ws: Path | None = None, extra: list[str] | None = None,
                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The task's tests against the workspace (a separate process: a fresh import), with
-    ``env`` added to this process's environment."""
+    ``env`` added to this process's environment. Installed pytest plugins stay unloaded
+    (the tests use none, and loading them takes longer than a task's tests run)."""
     ws = ws or require_workspace()
     cmd = [sys.executable, "-m", "pytest", *map(str, test_files(task)), "--learner-workspace",
            str(ws), "--task", task.id, "-p", "no:cacheprovider", *(extra or [])]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                               **(env or {})})
 
 
 def outcome(run: subprocess.CompletedProcess) -> str:
