@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
 CORE = {"model", "moe", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
         "extension", "cpu_kernels", "cpu_fused", "generate", "blas", "learner",
-        "device", "structured"}  # fmt: skip
+        "device", "structured", "tool_calls"}  # fmt: skip
 # The optional chapters: the core and any day, never the engine.
 OPTIONAL = {"speculative", "tensor_parallel"}
 TOP = {"engine", "cli", "course", "course_tasks", "server", "__init__"}

@@ -526,3 +526,57 @@ def test_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
     alone = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), prompts[:1],
                       params[:1])
     assert alone[0] == outs[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
+    """prompt_logprobs against a recomputation (the model's logits over the whole prompt,
+    log-softmaxed, no temperature): scored across chunked-prefill steps, beside requests
+    that do not ask, never from a cached prefix (which has no logits), once under n
+    samples, and unchanged when the pool is so small that requests are preempted and
+    recomputed."""
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.testing.runs import random_prompts
+
+    def expected(ids: list[int], k: int) -> list[tuple[int, float, list[int]]]:
+        n = len(ids)
+        logits = tiny_model(mx.array(ids, mx.int32), mx.arange(n),
+                            DenseKVCache(tiny_model.config.num_hidden_layers), mx.arange(n))
+        rows = np.array(logits.astype(mx.float32)).astype(np.float64)[: n - 1]
+        want = rows - (rows.max(1, keepdims=True)
+                       + np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1, keepdims=True)))
+        return [(t, want[i, t], list(np.argsort(-want[i], kind="stable")[:k]))
+                for i, t in enumerate(ids[1:])]
+
+    def check(out, ids: list[int], k: int) -> None:
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for record, (token, logprob, best) in zip(out.prompt_logprobs[1:], expected(ids, k),
+                                                   strict=True):
+            assert record.token == token and abs(record.logprob - logprob) < 1e-4
+            assert [t for t, _ in record.top] == best
+
+    shared, tail = random_prompts(2, seed=9, lo=40, hi=41)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, num_pages=64,
+                       max_num_batched_tokens=24)  # 40-token prompts: prefilled in chunks
+    plain = SamplingParams(temperature=0, max_tokens=3)
+    engine.generate([{"prompt_token_ids": shared}], [plain], use_tqdm=False)  # cached now
+    prompts = [{"prompt_token_ids": p} for p in (shared, shared + tail[:5], tail)]
+    params = [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3), plain,
+              SamplingParams(temperature=1.0, seed=2, max_tokens=3, prompt_logprobs=0, n=2)]
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    check(outs[0], shared, 3)
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens > 0
+    assert outs[1].prompt_logprobs is None
+    check(outs[2], tail, 0)
+    assert len(outs[2].outputs) == 2
+
+    small = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, num_pages=6, page_size=16,
+                      max_num_batched_tokens=24)  # 96 tokens: not enough for both at once
+    scored = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    outs = small.generate([{"prompt_token_ids": shared}, {"prompt_token_ids": tail}],
+                          [scored, scored], use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    check(outs[0], shared, 2)
+    check(outs[1], tail, 2)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

@@ -440,8 +440,6 @@ def test_fields_as_openai_reads_them(served, client):
 def asking(name: str, chat: bool) -> object:
     """A value of ``name`` that asks for something this server does not do."""
     special = {"logprobs": True if chat else 2,
-               "tools": [{"type": "function", "function": {"name": "f"}}],
-               "tool_choice": "required", "parallel_tool_calls": "yes",
                "functions": [{"name": "f"}], "function_call": {"name": "f"},
                "logit_bias": {"42": 5}, "metadata": {"k": "v"}, "modalities": ["audio"],
                "service_tier": "flex", "prediction": {"type": "content", "content": "x"},
@@ -475,10 +473,9 @@ def test_every_field_is_honoured_or_refused_never_ignored(served, client):
     status, text = http(f"{url}/v1/completions", {"prompt": "hi", "stream": True,
                                                    "stream_options": {"continuous_usage": 1}})
     assert status == 400 and json.loads(text)["error"]["param"] == "stream_options"
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    for name in api.HONOURED["chat"] - api.HONOURED["completions"] - {"messages"}:
+        status, text = http(f"{url}/v1/completions", {"prompt": "hi", name: None})
+        assert status == 400 and "unknown field" in text, (name, text)  # tools, logprobs' k
     settled(server)
 
 
@@ -814,3 +811,114 @@ def test_n_samples_come_back_as_choices(served, client):
     assert [c.index for c in legacy.choices] == [0, 1]
     assert all(c.logprobs.text_offset[0] == 0 for c in legacy.choices)  # offsets per choice
     settled(server)
+
+
+def test_tool_calls_as_the_openai_client_reads_them(served, client):
+    """tool_choice required and named: every call names an offered tool (the named one) and
+    its arguments validate against that tool's parameters, over seeds and temperatures;
+    the streamed deltas assemble (the client's own accumulator) into the same calls; a
+    greedy call is the request served alone under the same grammar; auto parses what the
+    model wrote (here forced by a regex), with parallel_tool_calls false at most one call;
+    a follow-up with the call and its result is served; bad tools are 400s naming the
+    field."""
+    from tiny_llm import tool_calls
+
+    import jsonschema
+    from test_tool_calls import TOOLS
+
+    url, server = served
+    engine = server.engine
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def checked(choice) -> list:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        return [(c.function.name, json.loads(c.function.arguments))
+                for c in choice.message.tool_calls]
+
+    for seed, temperature in [(0, 1.0), (1, 1.5), (2, 0.7)]:
+        got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                             tool_choice="required", max_tokens=200,
+                                             temperature=temperature, seed=seed)
+        assert checked(got.choices[0])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                         tool_choice=named, parallel_tool_calls=False,
+                                         max_tokens=200, temperature=1.0, seed=3)
+    calls = checked(got.choices[0])
+    assert [name for name, _ in calls] == ["get_time"]  # one call, of the named tool
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS,
+                                        tool_choice=named, parallel_tool_calls=False,
+                                        max_tokens=200, temperature=1.0, seed=3) as stream:
+        final = stream.get_final_completion()
+    assert checked(final.choices[0]) == calls
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                            tool_choice="required", max_tokens=200,
+                                            temperature=0)
+    grammar = tool_calls.constraint(tool_calls.check_tools(TOOLS),
+                                    tool_calls.ToolChoice("required"), True)
+    tokens, text = served_alone(engine.model, engine.tokenizer,
+                                engine.tokenize(messages, TOOLS),
+                                SamplingParams(max_tokens=200, temperature=0, structured=grammar))
+    assert checked(greedy.choices[0]) == [(c.name, json.loads(c.arguments))
+                                          for c in tool_calls.parse(text, TOOLS)[1]]
+    assert greedy.usage.prompt_tokens == len(engine.tokenize(messages, TOOLS))
+
+    # auto: the model's own choice, parsed; a regex writes the calls the tiny model would not
+    call = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone": "CET"\\}\\}\\n</tool_call>'
+    forced = {"structured_outputs": {"regex": f"Let me check\\.\\n{call}\\n{call}"}}
+    for parallel, count in [(True, 2), (False, 1)]:
+        got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                             parallel_tool_calls=parallel, max_tokens=100,
+                                             extra_body=forced)
+        assert got.choices[0].message.content == "Let me check.\n"
+        assert checked_auto(got.choices[0]) == [("get_time", {"zone": "CET"})] * count
+        with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS,
+                                            parallel_tool_calls=parallel, max_tokens=100,
+                                            extra_body=forced) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].message.content == "Let me check.\n"
+        assert checked_auto(final.choices[0]) == [("get_time", {"zone": "CET"})] * count
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                           tool_choice="none", max_tokens=100, extra_body=forced)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.content.count("<tool_call>") == 2  # none: nothing parsed
+
+    # the call and its result go back to the model
+    follow_up = [*messages, got.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": got.choices[0].message.tool_calls[0].id,
+                  "content": "12:00"}]
+    answer = client.chat.completions.create(model=MODEL, messages=follow_up, tools=TOOLS,
+                                            max_tokens=5, temperature=0)
+    assert answer.usage.prompt_tokens == len(engine.tokenize(follow_up, TOOLS))
+    assert answer.choices[0].message.content == served_alone(
+        engine.model, engine.tokenizer, engine.tokenize(follow_up, TOOLS),
+        SamplingParams(max_tokens=5, temperature=0))[1]
+    chat = f"{url}/v1/chat/completions"
+    for body, param in [
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+             "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+            ({"tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "strin"}}}], "tool_choice": "required"},
+             "tools"),  # a schema that does not compile
+            ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+            ({"tools": TOOLS, "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "tool_choice"),
+            ({"messages": [*messages, {"role": "assistant", "tool_calls": [{
+                "id": "c", "type": "function",
+                "function": {"name": "get_time", "arguments": "{zone"}}]}]}, "messages")]:
+        status, text = http(chat, {"messages": messages, **body})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["param"] == param, (body, text)
+    settled(server)
+
+
+def checked_auto(choice) -> list:
+    assert choice.finish_reason == "tool_calls"
+    return [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls]

@@ -291,7 +291,7 @@ class BlockSpace:
     def match_prefix(self, request) -> int:
         """Attach the cached pages holding a prefix of ``request``'s tokens; return how
         many tokens they hold (their K/V needs no computing)."""
-        tokens = request.token_ids_between(0, request.num_tokens)
+        tokens = request.token_ids_between(0, request.num_reusable_tokens)
         hits = self.blocks.match_prefix(tokens)
         self.blocks.attach_prefix(request, hits)
         chain = self.blocks.blocks[hits[-1]].hash if hits else None

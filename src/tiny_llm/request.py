@@ -51,6 +51,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams(prompt_logprobs=k): None for the first prompt token, then each
+    # one's record in the model's own distribution (its logits, no temperature), as vLLM's
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -90,6 +93,9 @@ class Request:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        # With params.prompt_logprobs: a record for each prompt token after the first, in
+        # the model's own distribution at the position before it (scored while prefilling)
+        self.prompt_logprobs: list[TokenLogprob] = []
         # Speculative decoding: tokens proposed for the next positions, to be verified by
         # the next step (not part of the request's tokens until accepted), and the
         # proposer's distribution at each (None: a deterministic proposal).
@@ -109,6 +115,26 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
+    def scored_prompt_positions(self, start: int, end: int) -> range:
+        """The positions in ``start .. end - 1`` whose logits score the next prompt token
+        and have not yet (none without ``prompt_logprobs``)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        scored, last = len(self.prompt_logprobs), len(self.prompt_token_ids) - 1
+        if scored < last and start > scored:  # a position would never be scored
+            raise RuntimeError(f"request {self.request_id} scores its prompt but was given "
+                               f"cached K/V past the tokens it has scored (a bug)")
+        return range(max(start, scored), min(end, last))
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Tokens whose cached K/V this request may take instead of computing them: all
+        of them, but only those already scored when it asks for its prompt's logprobs
+        (a cached page's tokens would have no logits)."""
+        if self.params.prompt_logprobs is None:
+            return self.num_tokens
+        return min(self.num_tokens, len(self.prompt_logprobs))
 
     @property
     def num_tokens(self) -> int:
@@ -181,5 +207,6 @@ class Request:
             new_token_ids,
             text_delta,
             self.num_cached_tokens or 0,
+            None if self.params.prompt_logprobs is None else [None, *self.prompt_logprobs],
         )
 # ANCHOR_END: request

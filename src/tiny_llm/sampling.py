@@ -145,6 +145,9 @@ class SamplingParams:
     min_tokens: int = 0
     # The sampled token's log-probability and this many alternatives' (``TokenLogprob``).
     logprobs: int | None = None
+    # Each prompt token's log-probability (and this many alternatives'), in the model's
+    # own distribution at the position before it: ``RequestOutput.prompt_logprobs``.
+    prompt_logprobs: int | None = None
     # A grammar the output must match (``structured.py``): JSON schema, regex, choice...
     structured: StructuredOutput | None = None
     # Samples of the prompt (``generate`` and the server): they share the prompt's pages.
@@ -175,9 +178,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _invalid("min_tokens", f"at most max_tokens ({self.max_tokens})",
                            self.min_tokens)
-        self.logprobs = _optional_int("logprobs", self.logprobs, 0)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise _invalid("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = _optional_int(name, getattr(self, name), 0)
+            if k is not None and k > MAX_LOGPROBS:
+                raise _invalid(name, f"None or an int in [0, {MAX_LOGPROBS}]", k)
+            setattr(self, name, k)
         self.n = _optional_int("n", self.n, 1)
         if self.n is None or self.n > MAX_SAMPLES:
             raise _invalid("n", f"an int in [1, {MAX_SAMPLES}]", self.n)
@@ -192,8 +197,10 @@ class SamplingParams:
                                      "which ends exactly where its grammar is complete")
 
     def for_sample(self, index: int) -> SamplingParams:
-        """Sample ``index``'s own params: one sample, seeded ``seed + index`` if seeded."""
-        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        """Sample ``index``'s own params: one sample, seeded ``seed + index`` if seeded.
+        The first scores the prompt (``prompt_logprobs``) for all of them."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def drafts_allowed(self) -> bool:

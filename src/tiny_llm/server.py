@@ -45,11 +45,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiny_llm import tool_calls
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
+from tiny_llm.tool_calls import ToolCall, ToolCallParser, ToolChoice
 
 log = logging.getLogger("tiny_llm")
 
@@ -290,6 +292,8 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    tools: list[dict[str, Any]] | None = None  # offered to the model (templated)
+    parse_tools: bool = False  # whether the output is read for tool calls
 
 
 # ANCHOR: request_fields
@@ -303,7 +307,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
 HONOURED = {
     "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
              "messages", "logprobs", "top_logprobs", "response_format", "structured_outputs",
-             *SAMPLING_FIELDS},
+             "tools", "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS},
     "completions": {"model", "n", "max_tokens", "max_completion_tokens", "stream",
                     "stream_options", "prompt", "logprobs", "response_format",
                     "structured_outputs", *SAMPLING_FIELDS},
@@ -312,9 +316,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 NO_EFFECT = {"user"}  # an end user's id, for the caller's own bookkeeping
 # Not supported (yet), so accepted only in a value that asks for nothing.
 NEUTRAL_CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"), "store": (None, False), "metadata": (None, {}),
     "modalities": (None, ["text"]), "service_tier": (None, "auto", "default"),
     "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
@@ -370,9 +372,21 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
         max_tokens = body.get("max_tokens")
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
+    tools, choice, parallel = offered_tools(body) if chat else (None, ToolChoice("none"), True)
+    structured = structured_output(body)
+    calls_only = tool_calls.constraint(tools or [], choice, parallel)
+    if calls_only is not None:
+        if structured is not None:
+            raise APIError(400, "a required or named tool_choice constrains the output to "
+                           "tool calls; it cannot also follow a response format",
+                           param="tool_choice")
+        structured = calls_only
+    elif choice.mode == "auto" and not parallel and isinstance(options.get("stop", []), str | list):
+        stop = options.get("stop", [])  # at most one call: stop at its end
+        options["stop"] = [*([stop] if isinstance(stop, str) else stop), tool_calls.CLOSE]
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
-                                structured=structured_output(body), n=n, **options)
+                                structured=structured, n=n, **options)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     stream = body.get("stream")
@@ -383,7 +397,28 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if not isinstance(stream_options, dict) or not set(stream_options) <= {"include_usage"}:
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage", param="stream_options")
-    return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")))
+    return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")),
+                         tools, choice.mode != "none")
+
+
+# ANCHOR: offered_tools
+def offered_tools(body: dict) -> tuple[list[dict[str, Any]] | None, ToolChoice, bool]:
+    """The tools a chat request offers (checked), its tool choice and whether several calls
+    may come at once."""
+    tools = body.get("tools")
+    try:
+        tools = tool_calls.check_tools(tools) if tools else None
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from None
+    try:
+        choice = tool_calls.chosen(body.get("tool_choice"), tools or [])
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    return tools, choice, parallel is not False
+# ANCHOR_END: offered_tools
 
 
 # ANCHOR: response_format
@@ -445,7 +480,9 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """The conversation in the engine's shape: role and content, an assistant turn's
+    ``tool_calls`` and a tool result's ``tool_call_id``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
@@ -464,9 +501,14 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
                 raise APIError(400, "only text content parts, each with a string 'text', are "
                                "supported", param="messages")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        message = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = m["tool_calls"]  # checked with the conversation
+        elif not isinstance(content, str):
             raise APIError(400, "message content must be a string", param="messages")
-        out.append({"role": role, "content": content})
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
@@ -482,14 +524,15 @@ def completion_prompt(body: dict) -> Any:
                    param="prompt")
 
 
-def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams) -> list[int]:
-    """The prompt's token ids (templated and tokenized: call it off the event loop); raise
-    when prompt + max_tokens exceed ``max_model_len``."""
+def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams,
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids (templated with the tools offered, and tokenized: call it off
+    the event loop); raise when prompt + max_tokens exceed ``max_model_len``."""
     param = "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) \
         else "prompt"
     limit = engine.max_model_len
     try:
-        ids = engine.tokenize(prompt)
+        ids = engine.tokenize(prompt, tools)
     except ContextLengthError as e:
         raise APIError(400, f"This model's maximum context length is {limit} tokens: {e}.",
                        param=param, code="context_length_exceeded") from None
@@ -571,16 +614,16 @@ class Server:
         parsed = parse_request(body, chat, self.model_name)
         # Templating and tokenizing take time that grows with the prompt: a worker thread.
         ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
-                                      parsed.params)
+                                      parsed.params, parsed.tools)
         num_prompt = len(ids)
         try:
             # the ids, not the prompt: the engine need not template and tokenize it again
             request_id, queues = await asyncio.to_thread(
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
-        except GrammarError as e:
-            param = ("structured_outputs" if body.get("structured_outputs") is not None
-                     else "response_format")
+        except GrammarError as e:  # the grammar of a format, or of a required tool call
+            param = next((name for name in ("structured_outputs", "response_format")
+                          if body.get(name) is not None), "tools")
             raise APIError(400, str(e), param=param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
@@ -663,8 +706,9 @@ class Server:
             parsed, request_id, samples, num_prompt = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
-        shape = (ChatShape if chat else CompletionShape)(request_id, self.model_name,
-                                                         self.token_text)
+        shape = (ChatShape(request_id, self.model_name, self.token_text,
+                           parsed.tools if parsed.parse_tools else None) if chat
+                 else CompletionShape(request_id, self.model_name, self.token_text))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
                                        ping=15)
@@ -760,28 +804,56 @@ class CompletionShape:
 
 
 class ChatShape(CompletionShape):
-    """``/v1/chat/completions`` bodies and chunks."""
+    """``/v1/chat/completions`` bodies and chunks; with ``tools``, each choice's text is
+    read for tool calls (``ToolCallParser``)."""
 
     object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str],
+                 tools: list[dict[str, Any]] | None = None):
         super().__init__(request_id, model, token_text)
         self.id = f"chatcmpl-{request_id}"
+        self.tools = tools
+        self.parsers: dict[int, ToolCallParser] = {}  # per choice, while it streams
 
     def first(self, index: int) -> dict[str, Any]:
-        return self.envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+        # with tools, the content may never come (only calls): null until it does
+        content = "" if self.tools is None else None
+        return self.envelope([{"index": index, "delta": {"role": "assistant", "content": content},
                                "logprobs": None, "finish_reason": None}])
 
     def chunk(self, index: int, text: str, finish_reason: str | None,
               records: list[TokenLogprob] | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            parser = self.parsers.setdefault(index, ToolCallParser(self.tools))
+            first = parser.num_calls
+            text, calls = parser.feed(text)
+            if finish_reason is not None:
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
+            if calls:
+                delta["tool_calls"] = [{"index": first + k, **c.as_openai()}
+                                       for k, c in enumerate(calls)]
+            if parser.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if text:
+            delta = {"content": text, **delta}
         return self.envelope([{"index": index, "delta": delta,
                                "logprobs": self.logprobs(records),
                                "finish_reason": finish_reason}])
 
     def choice(self, index: int, text: str, finish_reason: str | None,
                records: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = tool_calls.parse(text, self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content if content.strip() else None,
+                           "tool_calls": [c.as_openai() for c in calls]}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message,
                 "logprobs": self.logprobs(records), "finish_reason": finish_reason}
 
     def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:

@@ -14,7 +14,8 @@ once, and everything downstream reads that one object:
   matmul (``tiny_llm/cpu_kernels.py``);
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
   with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
-  there (``num_logits``);
+  there (``num_logits``); after them, the rows whose logits score a prompt's next token
+  (``scored``: requests asking for ``prompt_logprobs``);
 - ``kv``, what the KV storage lays out for the step (built once, read as fields): a
   ``PagedLayout`` for paged storage (Day 3: block tables, slot mapping and the
   block-table interface's arrays), a ``DenseLayout`` for dense slots (Day 1: the
@@ -29,7 +30,7 @@ the layer's new K/V and returns each row's causal attention over its sequence's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from tiny_llm.device import planned_device
@@ -63,6 +64,8 @@ class StepBatch:
     num_logits: list[int]  # ... and how many of the logit rows are each one's (in order)
     decode_rows: int  # the leading sequences of one row that samples (decodes)
     kv: PagedLayout | DenseLayout | None  # what the KV storage lays out (None: nothing)
+    # After the sampling rows: each scored request's prompt positions, a logit row each
+    scored: list[tuple[Any, range]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -70,10 +73,11 @@ class StepBatch:
         return self.decode_rows == len(self.chunks)
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], kv: PagedLayout | DenseLayout | None
-              ) -> StepBatch:
+    def build(cls, chunks: list[ScheduledChunk], kv: PagedLayout | DenseLayout | None,
+              score_prompts: bool = False) -> StepBatch:
         """The flat batch of ``chunks``; ``kv`` is the storage's layout of the same chunks
-        (``layout(chunks)``)."""
+        (``layout(chunks)``). With ``score_prompts``, the prompt rows of requests that ask
+        for their prompt's logprobs get logits too, after the sampling rows."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
@@ -90,6 +94,13 @@ class StepBatch:
                 logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
                 sampling.append(req)
                 num_logits.append(drafts + 1)
+        scored = []
+        for chunk, first_row in zip(chunks, query_start_loc[:-1], strict=True):
+            prompt_rows = chunk.request.scored_prompt_positions(chunk.start, chunk.end) \
+                if score_prompts else range(0)
+            if prompt_rows:
+                logit_rows += [first_row + q - chunk.start for q in prompt_rows]
+                scored.append((chunk.request, prompt_rows))
         # The leading sequences of one row that samples: the first rows of the batch and
         # of the logits alike.
         decodes = next((i for i, c in enumerate(chunks)
@@ -105,6 +116,7 @@ class StepBatch:
             num_logits,
             decodes,
             kv,
+            scored,
         )
 # ANCHOR_END: step_batch
 

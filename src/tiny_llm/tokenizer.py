@@ -180,9 +180,13 @@ class Tokenizer:
 
     # ANCHOR: chat_template
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render the conversation with the model's template, as `transformers` does."""
+        """Render the conversation (and the tools offered, for a template that reads them)
+        with the model's template, as `transformers` does."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template, so chat messages cannot be formatted; "
@@ -191,25 +195,31 @@ class Tokenizer:
         return _compile(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools,
             documents=None,
             bos_token=self._token_string(self.bos_token_id),
             eos_token=self._token_string(self.eos_token_id),
         )
 
+    @property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself."""
+        return self.chat_template is not None and _reads_tools(self.chat_template)
+
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Template, then ids; no extra BOS, as the template writes one itself when needed.
-        Where a message spells a special token (``<|im_end|>``), the template sees a
-        placeholder in that spelling's place, and the rendering's placeholders are encoded as
-        the spelling's text (``encode_as_text``): only the template's own markup becomes
+        Where a message or a tool spells a special token (``<|im_end|>``), the template sees
+        a placeholder in that spelling's place, and the rendering's placeholders are encoded
+        as the spelling's text (``encode_as_text``): only the template's own markup becomes
         control tokens."""
         specials = self._special_pattern()
-        if specials is None or not any(
-                isinstance(v, str) and specials.search(v) for m in messages
-                for k, v in m.items() if k != "role"):
-            prompt = self.apply_chat_template(messages, add_generation_prompt)
+        if specials is None or not _spells(specials, [messages, tools]):
+            prompt = self.apply_chat_template(messages, add_generation_prompt, tools)
             return self.encode(prompt, add_special_tokens=False)
         nonce = secrets.token_hex(8)  # no text a client sends can spell this placeholder
         spelled: list[str] = []
@@ -218,9 +228,17 @@ class Tokenizer:
             spelled.append(match.group(0))
             return f"\ue000{nonce}:{len(spelled) - 1}\ue001"
 
-        masked = [{k: specials.sub(placeholder, v) if isinstance(v, str) and k != "role" else v
-                   for k, v in m.items()} for m in messages]
-        prompt = self.apply_chat_template(masked, add_generation_prompt)
+        def masked(value: Any) -> Any:
+            if isinstance(value, str):
+                return specials.sub(placeholder, value)
+            if isinstance(value, list):
+                return [masked(v) for v in value]
+            if isinstance(value, dict):
+                return {k: v if k == "role" else masked(v) for k, v in value.items()}
+            return value
+
+        prompt = self.apply_chat_template(masked(messages), add_generation_prompt,
+                                          masked(tools))
         ids: list[int] = []
         at = 0
         for mark in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", prompt):
@@ -377,6 +395,25 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {entry["name"]: entry["template"] for entry in template}
         return named.get("default")
     return template
+
+
+def _spells(specials: re.Pattern[str], value: Any) -> bool:
+    """Whether any string inside ``value`` (a role aside) spells a special token."""
+    if isinstance(value, str):
+        return specials.search(value) is not None
+    if isinstance(value, list):
+        return any(_spells(specials, v) for v in value)
+    if isinstance(value, dict):
+        return any(_spells(specials, v) for k, v in value.items() if k != "role")
+    return False
+
+
+@lru_cache(maxsize=8)
+def _reads_tools(source: str) -> bool:
+    from jinja2 import meta
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return "tools" in meta.find_undeclared_variables(env.parse(source))
 
 
 def _raise_exception(message: str) -> None:

@@ -6,7 +6,8 @@
 2. the model runner lays the chunks out once as one flat batch — token ids, positions,
    where each sequence's rows start, and the storage's typed layout — runs one forward
    (logits only at each sequence's last scheduled token, and only for sequences whose
-   prompt is fully processed) and samples;
+   prompt is fully processed, plus the prompt rows of requests that score their prompt)
+   and samples;
 3. the commit records the step: computed tokens and page commits, rejected drafts'
    pages rewound, tokens appended, stops checked, finished requests retired (their slot
    and pages free at once), outputs routed to their owners.
@@ -28,6 +29,7 @@ from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
 from tiny_llm.engine.runner import ModelRunner, interrupts_held
 from tiny_llm.request import Request
+from tiny_llm.sampling import TokenLogprob
 from tiny_llm.speculative import SpeculativeDecoding, rewind
 from tiny_llm.step import ScheduledChunk, StepBatch
 
@@ -61,16 +63,20 @@ class EngineCore:
                 raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
             return
         batch, logits = self.runner.run(chunks)
+        scores = self.runner.score_prompts(logits, batch)  # changes nothing: before sampling
         tokens = self.runner.sample(logits, batch, self._verify)
         with interrupts_held():
-            self._commit(batch, tokens)
+            self._commit(batch, tokens, scores)
     # ANCHOR_END: step
 
     def _verify(self, request: Request, logits: mx.array) -> list[int]:
         return self.spec.verify(request, logits).tokens
 
-    def _commit(self, batch: StepBatch, tokens: list[list[int]]) -> None:
+    def _commit(self, batch: StepBatch, tokens: list[list[int]],
+                scores: list[tuple[Request, list[TokenLogprob]]]) -> None:
         """Record a successful step. Pure bookkeeping: nothing here may raise."""
+        for request, records in scores:
+            request.prompt_logprobs += records
         emitted = dict(zip(batch.sampling, tokens, strict=True))
         # A verified chunk computed K/V for its last token and the accepted drafts only.
         done = [ScheduledChunk(c.request, c.start, c.start + len(emitted[c.request]))

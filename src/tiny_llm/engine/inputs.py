@@ -17,13 +17,14 @@ from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.structured import Grammars
 from tiny_llm.tokenizer import Tokenizer, check_text
+from tiny_llm.tool_calls import check_tool_message, check_tools, template_messages
 
 import numpy as np
 from jinja2.exceptions import TemplateError
 
-Prompt = str | list[int] | dict[str, Any] | list[dict[str, str]]
+Prompt = str | list[int] | dict[str, Any] | list[dict[str, Any]]
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class ContextLengthError(ValueError):
@@ -57,11 +58,15 @@ class InputProcessor:
                        self.tokenizer.eos_token_ids, self.max_model_len, request_id, text,
                        constraint)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """The token ids ``prompt`` would be served with (chat messages templated)."""
-        return self._check_prompt(self._tokenize(prompt)[1])
+    def tokenize(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids ``prompt`` would be served with (chat messages templated, with
+        the ``tools`` offered)."""
+        if tools is not None and not _is_chat(prompt):
+            raise TypeError("tools are offered in a chat: the prompt must be chat messages")
+        return self._check_prompt(self._tokenize(prompt, tools)[1])
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list]:
+    def _tokenize(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None
+                  ) -> tuple[str | None, list]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -77,8 +82,8 @@ class InputProcessor:
                     f"prompt_token_ids must be a list of ints, got {type(ids).__name__}"
                 )
             return None, list(ids)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return None, self._encode_chat(prompt)
+        if _is_chat(prompt):
+            return None, self._encode_chat(prompt, tools)
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
         hint = " (decode bytes to str first)" if isinstance(prompt, bytes | bytearray) else ""
@@ -87,20 +92,29 @@ class InputProcessor:
             f"or a list of chat messages; got {type(prompt).__name__}{hint}"
         )
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None) -> list[int]:
         for i, message in enumerate(messages):
-            for key in ("role", "content"):
-                if not isinstance(message.get(key), str):
-                    raise TypeError(f"message {i} {key!r} must be a string, got "
-                                    f"{type(message.get(key)).__name__}")
+            if not isinstance(message.get("role"), str):
+                raise TypeError(f"message {i} 'role' must be a string, got "
+                                f"{type(message.get('role')).__name__}")
             if message["role"] not in CHAT_ROLES:  # a role is markup: never free text
                 raise ValueError(f"message {i} has role {message['role'][:40]!r}; a role "
                                  f"is one of {', '.join(CHAT_ROLES)}")
-            for key, value in message.items():
-                if isinstance(value, str):
-                    check_text(f"message {i} {key!r}", value)
+            calls_only = message["role"] == "assistant" and message.get("tool_calls")
+            content = message.get("content")
+            if not (isinstance(content, str) or (calls_only and content is None)):
+                raise TypeError(f"message {i} 'content' must be a string, got "
+                                f"{type(content).__name__}")
+            check_tool_message(i, message)
+            _check_strings(f"message {i}", message)
+        if tools is not None:
+            tools = check_tools(tools)
+            _check_strings("tools", tools)
+        messages, tools = template_messages(messages, tools,
+                                            self.tokenizer.template_reads_tools)
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, tools=tools)
         except TemplateError as e:  # malformed messages, or the template refused them
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
 
@@ -146,3 +160,19 @@ class InputProcessor:
                 f"{num_prompt_tokens} + max_tokens) but the whole pool holds {capacity}; "
                 "lower max_tokens or enlarge the pool (num_pages, kv_memory_bytes)"
             )
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _check_strings(what: str, value: Any) -> None:
+    """Every string inside ``value`` is valid Unicode (``check_text``)."""
+    if isinstance(value, str):
+        check_text(what, value)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(what, v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(f"{what} {k!r}", v)

@@ -171,9 +171,10 @@ class LLMEngine:
         self.core.add(request, after)
         return request
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        """The token ids ``prompt`` would be served with (chat messages templated)."""
-        return self.inputs.tokenize(prompt)
+    def tokenize(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids ``prompt`` would be served with (chat messages templated, with the
+        ``tools`` offered: ``tool_calls``)."""
+        return self.inputs.tokenize(prompt, tools)
 
     def abort(self, request_id: str) -> None:
         """Finish a running request with reason "abort" and free its slot and pages now."""
@@ -347,7 +348,8 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
                            cfg.max_num_seqs)
         kv = PagedKVSpace(draft.config, pages, cfg.page_size, False, draft.dtype)
         kernels = KernelSettings(cfg.cpu_kernels, False, cfg.fused_layers)
-        proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels))
+        proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels,
+                                                  scores_prompts=False))
     policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
     return SpeculativeDecoding(proposer, policy, model.config.vocab_size)
 
@@ -367,7 +369,8 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
     completions = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
     return RequestOutput(first.request_id.rsplit("-", 1)[0], first.prompt,
                          first.prompt_token_ids, completions, True,
-                         num_cached_tokens=first.num_cached_tokens)
+                         num_cached_tokens=first.num_cached_tokens,
+                         prompt_logprobs=first.prompt_logprobs)
 
 
 def _params_per_prompt(sampling_params: Any, n: int) -> list[SamplingParams | None]:
@@ -416,13 +419,17 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the chat template."""
+        """One conversation (a list of messages) or several; rendered with the chat template
+        and the ``tools`` offered (``tool_calls.parse`` reads the calls out of a text)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.engine.generate(list(conversations), sampling_params, use_tqdm)
+        prompts = [c if tools is None else {"prompt_token_ids": self.engine.tokenize(c, tools)}
+                   for c in conversations]
+        return self.engine.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -5,7 +5,8 @@ the flat batch and the storage's typed layout), begins the attention backend's s
 the forward — on a CPU with a ``KernelPlan`` handed to the model, which sends the decode
 rows to the extension's kernels and runs a decode-only step's dense layers as fused ops —
 and evaluates the logits together with the step's K/V writes. ``sample`` then picks each
-sampling request's tokens. The engine serves its model through one runner and speculative
+sampling request's tokens, and ``score_prompts`` reads the prompt rows some requests asked
+logprobs of. The engine serves its model through one runner and speculative
 decoding's draft model through another: the forward is written once.
 """
 
@@ -22,7 +23,7 @@ from tiny_llm.cpu_kernels import FusedDecode, KernelPlan, kernels_available
 from tiny_llm.day4_paged_attention import VectorKernelAttention
 from tiny_llm.model import Model
 from tiny_llm.request import Request
-from tiny_llm.sampling import sample_next_tokens
+from tiny_llm.sampling import TokenLogprob, sample_next_tokens, token_logprob
 from tiny_llm.step import AttentionBackend, DenseLayout, PagedLayout, ScheduledChunk, StepBatch
 from tiny_llm.tensor_parallel import Workers
 
@@ -46,14 +47,16 @@ class ModelRunner:
     """One model over one KV storage and attention backend."""
 
     def __init__(self, model: Model, kv: Any, attention: AttentionBackend,
-                 kernels: KernelSettings = KernelSettings()):
+                 kernels: KernelSettings = KernelSettings(), scores_prompts: bool = True):
         self.model, self.kv, self.attention, self.kernels = model, kv, attention, kernels
+        self.scores_prompts = scores_prompts  # False: a draft model's (it samples only)
 
     def run(self, chunks: list[ScheduledChunk],
             layout: PagedLayout | DenseLayout | None = None) -> tuple[StepBatch, mx.array]:
         """One forward over ``chunks``: the step's batch and the logits of its logit rows.
         ``layout``: the storage's layout, if not of these chunks' requests (the draft's)."""
-        batch = StepBatch.build(chunks, self.kv.layout(chunks) if layout is None else layout)
+        batch = StepBatch.build(chunks, self.kv.layout(chunks) if layout is None else layout,
+                                self.scores_prompts)
         return batch, self.forward(batch)
 
     def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
@@ -78,6 +81,8 @@ class ModelRunner:
         requests = batch.sampling
         if not requests:
             return []
+        if batch.scored:  # the prompt rows after the sampling rows are not sampled
+            logits = logits[: sum(batch.num_logits)]
         states = [(r.sampler, r.sampler.rng.bit_generator.state, len(r.sampler.logprobs),
                    r.sampler.constraint and r.sampler.constraint.consumed) for r in requests]
         try:
@@ -92,6 +97,21 @@ class ModelRunner:
                 if sampler.constraint is not None:
                     sampler.constraint.rollback(consumed)
             raise
+
+    def score_prompts(self, logits: mx.array, batch: StepBatch
+                      ) -> list[tuple[Request, list[TokenLogprob]]]:
+        """Each scored request's records for the prompt tokens after this step's rows: the
+        next token's log-probability under the model's logits, with the ``k`` best."""
+        if not batch.scored:
+            return []
+        rows = np.asarray(logits[sum(batch.num_logits):].astype(mx.float32))
+        scores, at = [], 0
+        for request, positions in batch.scored:
+            ids, k = request.prompt_token_ids, request.params.prompt_logprobs
+            scores.append((request, [token_logprob(rows[at + i], ids[q + 1], k)
+                                     for i, q in enumerate(positions)]))
+            at += len(positions)
+        return scores
 # ANCHOR_END: model_runner
 
     # ANCHOR: runner_kernel_plan

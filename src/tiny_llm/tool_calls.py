@@ -1,0 +1,304 @@
+"""Tool calls: functions a chat request offers the model, and the calls it writes back.
+
+A request lists ``tools`` (OpenAI's shape: ``{"type": "function", "function": {"name",
+"description", "parameters"}}``, the parameters a JSON schema). The prompt shows them to the
+model in one of two ways:
+
+- the model's own chat template, when it reads ``tools`` (Qwen's, Llama's, Hermes-style
+  ones): the tools, and earlier turns' calls and results, go to the template as
+  ``transformers`` passes them (a call's arguments as an object, results as ``tool``
+  messages);
+- otherwise (SmolLM2's template knows only role and content) a system message lists the
+  tools and the format, earlier calls are written in that format and results become user
+  turns, so that any chat model can be offered tools.
+
+The model answers with calls in the Hermes format, one per block::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``ToolCallParser`` splits an output into content and calls as it streams: text is content
+unless it may begin a block (held back until it is clear), a block becomes a call when it
+closes on a JSON object naming an offered tool, and anything else in a block stays content,
+as written. ``tool_choice`` decides what is enforced: ``none`` parses nothing, ``auto``
+parses what the model chose to write, ``required`` and a named function constrain the
+output to calls (``constraint``: a grammar over the tools' own schemas, the structured
+outputs' machinery), so a required call is always a valid one.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from tiny_llm.structured import JSON_LAYOUT, StructuredOutput
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI's API carries it
+    id: str
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """The tools as OpenAI's API gives them, checked: a list of functions with distinct
+    names, each one's parameters a JSON schema object (absent: no parameters)."""
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of {'type': 'function', 'function': {...}}")
+    names: set[str] = set()
+    checked = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(function, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64 or \
+                not all(c.isalnum() or c in "_-" for c in name):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, _ or -")
+        if name in names:
+            raise ValueError(f"tools[{i}]: two tools are named {name!r}")
+        names.add(name)
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"tools[{i}].function.description must be a string")
+        checked.append({"type": "function", "function": {
+            "name": name, **({"description": description} if description else {}),
+            "parameters": parameters}})
+    return checked
+
+
+class ToolChoice(NamedTuple):
+    mode: str  # none, auto, required, or named
+    name: str | None = None  # named: the function that must be called
+
+
+def chosen(tool_choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """``tool_choice`` as OpenAI's API gives it, checked against the tools."""
+    if not tools and tool_choice in (None, "none", "auto"):
+        return ToolChoice("none")  # nothing to call (clients send these as defaults)
+    if tool_choice is None:
+        return ToolChoice("auto")
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or "
+                             "{'type': 'function', 'function': {'name': ...}}")
+        if tool_choice == "required" and not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return ToolChoice(tool_choice)
+    named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and \
+        isinstance(tool_choice.get("function"), dict)
+    if not named:
+        raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+    name = tool_choice["function"].get("name")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    return ToolChoice("named", name)
+
+
+# ANCHOR: constraint
+def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool
+               ) -> StructuredOutput | None:
+    """The grammar a ``required`` or named choice holds the output to: one call (or, with
+    ``parallel``, several, one per line) whose name is an offered tool's (the named one)
+    and whose arguments match that tool's parameters. None for ``auto`` and ``none``: the
+    model chooses."""
+    if choice.mode in ("none", "auto"):
+        return None
+    offered = [t["function"] for t in tools
+               if choice.mode == "required" or t["function"]["name"] == choice.name]
+    call = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": f["name"]}, "arguments": f["parameters"]},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in offered],
+        "x-guidance": JSON_LAYOUT}
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return StructuredOutput(grammar=(
+        f"start: {calls}\n"
+        f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+        f"body: %json {json.dumps(call)}\n"))
+# ANCHOR_END: constraint
+
+
+def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_reads_tools: bool
+                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and tools to render: as they are for a template that reads tools
+    (a call's arguments parsed to an object, as ``transformers`` expects), or written into
+    plain turns for one that does not."""
+    if template_reads_tools:
+        return [_with_parsed_arguments(m) for m in messages], tools or None
+    plain = [_as_plain_turn(m) for m in messages]
+    if not tools:
+        return plain, None
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    offer = (f"You can call functions. They are listed, one JSON object per line, between "
+             f"<tools> and </tools>:\n<tools>\n{listing}\n</tools>\nTo call one, answer with "
+             f'its name and arguments as JSON inside {OPEN}{CLOSE} tags, one call per '
+             f'block:\n{OPEN}\n{{"name": "<name>", "arguments": {{<arguments>}}}}\n{CLOSE}\n'
+             "The results come back inside <tool_response></tool_response> tags.")
+    if plain and plain[0]["role"] == "system":
+        return [{**plain[0], "content": f"{plain[0]['content']}\n\n{offer}"}, *plain[1:]], None
+    return [{"role": "system", "content": offer}, *plain], None
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments_object(
+        c["function"]["arguments"])}} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def _as_plain_turn(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "tool":
+        return {"role": "user",
+                "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        blocks = [_block(c["function"]["name"], _arguments_object(c["function"]["arguments"]))
+                  for c in message["tool_calls"]]
+        text = "\n".join([message["content"], *blocks] if message.get("content") else blocks)
+        return {"role": "assistant", "content": text}
+    return message
+
+
+def _block(name: str, arguments: dict[str, Any]) -> str:
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN}\n{call}\n{CLOSE}"
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a tool call's arguments are not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("a tool call's arguments must be a JSON object")
+    return value
+
+
+def check_tool_message(i: int, message: dict[str, Any]) -> None:
+    """A ``tool`` result or an assistant turn's ``tool_calls``, in the engine's shape."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if message["role"] != "assistant":
+        raise ValueError(f"message {i}: only an assistant message has tool_calls")
+    if not isinstance(calls, list) or not calls:
+        raise TypeError(f"message {i} tool_calls must be a non-empty list")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments"), str | dict):
+            raise TypeError(f"message {i}: a tool call is {{'id': ..., 'type': 'function', "
+                            "'function': {'name': str, 'arguments': str}}")
+        _arguments_object(function["arguments"])
+
+
+# ANCHOR: parser
+class ToolCallParser:
+    """Splits a model's output into content and tool calls, piece by piece as it streams.
+
+    ``feed`` takes the next text and returns the content that is now certain and the calls
+    that closed; ``finish`` returns what was held back. Fed whole or in any pieces, an
+    output gives the same content and calls."""
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        self.names = {t["function"]["name"] for t in tools}
+        self.pending = ""  # text not yet given out: a possible opening tag, or a block
+        self.in_block = False
+        self.after_call = False  # only whitespace since the last call closed
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if self.in_block:
+                end = self.pending.find(CLOSE)
+                if end < 0:
+                    break  # the block goes on
+                self._close(self.pending[:end], True, content, calls)
+                self.pending = self.pending[end + len(CLOSE):]
+                continue
+            start = self.pending.find(OPEN)
+            if start < 0:  # give out all but what may begin a tag
+                text = self.pending[:len(self.pending) - _partial_tag(self.pending)]
+                if self.after_call and not text.strip():
+                    break  # whitespace after a call waits: between calls it is not content
+                content.append(text)
+                self.pending, self.after_call = self.pending[len(text):], False
+                break
+            if not (self.after_call and not self.pending[:start].strip()):
+                content.append(self.pending[:start])
+            self.pending, self.in_block = self.pending[start + len(OPEN):], True
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest: an unclosed block is a call if it holds a whole call (the output
+        stopped at its closing tag), content otherwise."""
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        if self.in_block:
+            self._close(self.pending, False, content, calls)
+        elif not (self.after_call and not self.pending.strip()):
+            content.append(self.pending)
+        self.pending, self.in_block = "", False
+        return "".join(content), calls
+
+    def _close(self, body: str, closed: bool, content: list[str],
+               calls: list[ToolCall]) -> None:
+        self.in_block = False
+        call = self._call(body)
+        self.after_call = call is not None
+        if call is None:  # not a call: the block stays text, as the model wrote it
+            content.append(OPEN + body + (CLOSE if closed else ""))
+            return
+        calls.append(call)
+        self.num_calls += 1
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self.names:
+            return None
+        arguments = value.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
+                        f"call_{secrets.token_hex(12)}")
+# ANCHOR_END: parser
+
+
+def parse(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+    """A whole output's content and calls."""
+    parser = ToolCallParser(tools)
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    return content + rest, calls + more
+
+
+def _partial_tag(text: str) -> int:
+    """The length of the longest end of ``text`` that begins the opening tag."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

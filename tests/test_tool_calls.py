@@ -1,0 +1,193 @@
+"""Tool calls without a server: the parser that splits an output into content and calls
+(whole, or fed in any pieces), the checks on tools and tool_choice, how a conversation with
+tools is written for a template that does not read them, and the grammar that holds a
+required call to the tool's schema (every output it allows parses into a valid call)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from tiny_llm.engine.inputs import InputProcessor
+from tiny_llm.structured import Grammars
+from tiny_llm.tool_calls import (
+    ToolCallParser,
+    ToolChoice,
+    check_tools,
+    chosen,
+    constraint,
+    parse,
+)
+
+import pytest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+
+OUTPUT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+          '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+          '{"zone": "CET"}}\n</tool_call>')
+
+
+def test_an_output_splits_into_content_and_calls():
+    content, calls = parse(OUTPUT, TOOLS)
+    assert content == "Let me look.\n"  # the whitespace between calls is not content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert calls[0].as_openai()["function"] == {"name": "get_weather",
+                                                "arguments": calls[0].arguments}
+
+
+@pytest.mark.parametrize("text", [
+    OUTPUT,
+    "<tool_call>\n{not json}\n</tool_call> and <tool_call>[1, 2]</tool_call>",
+    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not an offered tool
+    '<tool_call>{"name": "get_time", "arguments": "CET"}</tool_call>',
+    "a < b and <tool_ca ll> is not a tag; <tool_call",  # a tag begun at the very end
+    'x <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n',  # stopped at its end
+    "<tool_call>\n{\"name\": \"get_ti",  # cut off (max_tokens)
+])
+def test_fed_in_any_pieces_an_output_parses_as_it_does_whole(text):
+    whole_content, whole_calls = parse(text, TOOLS)
+    rng = random.Random(0)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
+        parser, content, calls = ToolCallParser(TOOLS), "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            got, more = parser.feed(text[a:b])
+            content, calls = content + got, calls + more
+        rest, more = parser.finish()
+        content, calls = content + rest, calls + more
+        assert content == whole_content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments)
+                                                          for c in whole_calls]
+    if not whole_calls:  # a block that is not a call stays, as written
+        assert whole_content == text
+
+
+def test_content_streams_while_only_a_possible_tag_waits():
+    parser = ToolCallParser(TOOLS)
+    assert parser.feed("Hello <tool") == ("Hello ", [])
+    assert parser.feed("box>") == ("<toolbox>", [])
+    assert parser.feed("<tool_call>\n{") == ("", [])  # inside a block: held to its end
+    content, calls = parser.feed('"name": "get_time", "arguments": {"zone": "X"}}\n</tool_call>!')
+    assert content == "!" and [c.name for c in calls] == ["get_time"]
+    assert parser.finish() == ("", [])
+
+
+@pytest.mark.parametrize(("tools", "match"), [
+    ({"type": "function"}, "must be a list"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], r"tools\[0\] must be"),
+    ([{"type": "function", "function": {"name": "no spaces"}}], "letters, digits"),
+    ([WEATHER, WEATHER], "two tools are named 'get_weather'"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "JSON schema"),
+])
+def test_bad_tools_are_refused_naming_the_problem(tools, match):
+    with pytest.raises(ValueError, match=match):
+        check_tools(tools)
+
+
+def test_tool_choice():
+    assert check_tools([{"type": "function", "function": {"name": "f"}}])[0]["function"][
+        "parameters"] == {"type": "object", "properties": {}}
+    assert chosen(None, TOOLS).mode == "auto" and chosen(None, []).mode == "none"
+    assert chosen("auto", []).mode == "none"  # nothing to call
+    assert chosen("required", TOOLS) == ("required", None)
+    assert chosen({"type": "function", "function": {"name": "get_time"}}, TOOLS) == (
+        "named", "get_time")
+    required = [t | {"function": t["function"] | {"name": "required"}} for t in TOOLS[:1]]
+    named_required = chosen({"type": "function", "function": {"name": "required"}},
+                            required + TOOLS[1:])
+    assert named_required == ("named", "required")  # a function may be named so
+    for choice, match in [("always", "must be one of"), ("required", "needs tools"),
+                          ({"type": "function", "function": {"name": "nope"}}, "not among"),
+                          ({"function": {"name": "get_time"}}, "a named tool_choice")]:
+        with pytest.raises(ValueError, match=match):
+            chosen(choice, TOOLS if choice != "required" else [])
+
+
+def test_a_template_without_tools_gets_them_written_into_the_turns(smollm_tokenizer):
+    """SmolLM2's template reads only role and content: the tools go into the system turn,
+    an earlier call is written as the model writes one, its result is a user turn."""
+    from tiny_llm.engine.config import EngineConfig
+
+    tok = smollm_tokenizer
+    assert not tok.template_reads_tools
+    inputs = InputProcessor(tok, tok.vocab_size, EngineConfig(), 4096, None)
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    listing = "\n".join(json.dumps(t) for t in check_tools(TOOLS))
+    written = [
+        {"role": "system", "content": "Be brief.\n\nYou can call functions. They are listed, "
+         "one JSON object per line, between <tools> and </tools>:\n<tools>\n" + listing +
+         "\n</tools>\nTo call one, answer with its name and arguments as JSON inside "
+         "<tool_call></tool_call> tags, one call per block:\n<tool_call>\n"
+         '{"name": "<name>", "arguments": {<arguments>}}\n</tool_call>\n'
+         "The results come back inside <tool_response></tool_response> tags."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+         '{"city": "Paris"}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}]
+    assert inputs.tokenize(conversation, TOOLS) == tok.encode_chat(written)
+    assert inputs.tokenize(conversation) == tok.encode_chat([written[0] | {
+        "content": "Be brief."}, *written[1:]])
+    for bad, error in [
+        ({"role": "assistant", "content": None}, "'content' must be a string"),
+        ({"role": "user", "content": "x", "tool_calls": [{"function": {
+            "name": "f", "arguments": "{}"}}]}, "only an assistant message has tool_calls"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {
+            "name": "f", "arguments": "{city"}}]}, "arguments are not JSON"),
+        ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+         "a tool call is")]:
+        with pytest.raises((ValueError, TypeError), match=error):
+            inputs.tokenize([bad])
+    with pytest.raises(ValueError, match="two tools"):
+        inputs.tokenize(conversation, [WEATHER, WEATHER])
+    with pytest.raises(TypeError, match="tools are offered in a chat"):
+        inputs.tokenize("plain text", TOOLS)
+
+
+@pytest.mark.parametrize("name", [None, "get_time"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, parallel):
+    """Random walks through the grammar's allowed tokens (no model: any allowed token)
+    end in outputs that parse into calls of the right tools with valid arguments."""
+    import jsonschema
+
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    choice = ToolChoice("required") if name is None else ToolChoice("named", name)
+    spec = constraint(check_tools(TOOLS), choice, parallel)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    rng = random.Random(len(name or "") + parallel)
+    for _ in range(4):
+        matcher, ids = grammars.constraint(spec), []
+        while len(ids) < 200:
+            allowed = matcher.allowed().nonzero()[0].tolist()
+            token = rng.choice(allowed)
+            if token in tok.eos_token_ids:
+                break
+            matcher.consume(token)
+            ids.append(token)
+        assert token in tok.eos_token_ids, "the grammar never let the output end"
+        content, calls = parse(tok.decode(ids), TOOLS)
+        assert content.strip() == "" and calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert name in (None, call.name)
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    assert constraint(TOOLS, ToolChoice("auto"), True) is None
+    assert constraint(TOOLS, ToolChoice("none"), True) is None
