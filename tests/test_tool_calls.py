@@ -16,7 +16,9 @@ from tiny_llm.tool_calls import (
     check_tools,
     chosen,
     constraint,
+    format_of,
     parse,
+    parser,
 )
 
 import pytest
@@ -47,7 +49,10 @@ def test_an_output_splits_into_content_and_calls():
                                                 "arguments": calls[0].arguments}
 
 
-@pytest.mark.parametrize("text", [
+LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+
+
+@pytest.mark.parametrize(("fmt", "text"), [("hermes", t) for t in [
     OUTPUT,
     "<tool_call>\n{not json}\n</tool_call> and <tool_call>[1, 2]</tool_call>",
     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not an offered tool
@@ -55,23 +60,64 @@ def test_an_output_splits_into_content_and_calls():
     "a < b and <tool_ca ll> is not a tag; <tool_call",  # a tag begun at the very end
     'x <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n',  # stopped at its end
     "<tool_call>\n{\"name\": \"get_ti",  # cut off (max_tokens)
-])
-def test_fed_in_any_pieces_an_output_parses_as_it_does_whole(text):
-    whole_content, whole_calls = parse(text, TOOLS)
+]] + [("json", t) for t in [
+    LLAMA_CALL, f"  {LLAMA_CALL}\n", '{"answer": 42}', "Plain text {not a call}",
+    LLAMA_CALL[:20]]])
+def test_fed_in_any_pieces_an_output_parses_as_it_does_whole(fmt, text):
+    whole_content, whole_calls = parse(text, TOOLS, fmt)
     rng = random.Random(0)
     for _ in range(30):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
-        parser, content, calls = ToolCallParser(TOOLS), "", []
+        reader, content, calls = parser(TOOLS, fmt), "", []
         for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
-            got, more = parser.feed(text[a:b])
+            got, more = reader.feed(text[a:b])
             content, calls = content + got, calls + more
-        rest, more = parser.finish()
+        rest, more = reader.finish()
         content, calls = content + rest, calls + more
         assert content == whole_content
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments)
                                                           for c in whole_calls]
     if not whole_calls:  # a block that is not a call stays, as written
         assert whole_content == text
+
+
+def test_llamas_format_is_one_json_object_as_the_whole_answer():
+    assert [(c.name, json.loads(c.arguments)) for c in parse(LLAMA_CALL, TOOLS, "json")[1]] \
+        == [("get_time", {"zone": "CET"})]
+    assert parse(LLAMA_CALL, TOOLS, "json")[0] == ""
+    reader = parser(TOOLS, "json")
+    assert reader.feed("It is") == ("It is", [])  # not an object: content at once
+    reader = parser(TOOLS, "json")
+    assert reader.feed(" {") == ("", [])  # maybe a call: held to the end
+
+
+LLAMA_LIKE_TEMPLATE = """{% for message in messages %}<|start_header_id|>{{ message.role }}\
+<|end_header_id|>
+
+{{ message.content }}<|eot_id|>{% endfor %}{% if tools %}To call a function, answer with \
+{"name": function name, "parameters": its arguments}: {{ tools | tojson }}{% endif %}"""
+
+
+def test_the_format_is_read_from_the_template():
+    from test_tokenizer import TOOLS_TEMPLATE
+
+    assert format_of("{{ messages }}", False) == "hermes"  # the turns teach Hermes blocks
+    assert format_of(TOOLS_TEMPLATE, True) == "hermes"
+    assert format_of(LLAMA_LIKE_TEMPLATE, True) == "json"
+    assert format_of("{{ tools | tojson }} [TOOL_CALLS]", True) is None  # Mistral's
+
+
+def test_a_model_whose_format_is_unknown_is_refused_tools():
+    from tiny_llm.server import APIError, parse_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    with pytest.raises(APIError, match="tool-call format") as refused:
+        parse_request(body, True, "m", None)
+    assert refused.value.param == "tools" and refused.value.status == 400
+    assert parse_request(body | {"tools": []}, True, "m", None).tools is None
+    parsed = parse_request(body | {"tool_choice": "required"}, True, "m", "json")
+    assert json.loads(json.dumps(parsed.params.structured.json))["anyOf"][0]["required"] == [
+        "name", "parameters"]
 
 
 def test_content_streams_while_only_a_possible_tag_waits():
@@ -162,8 +208,9 @@ def test_a_template_without_tools_gets_them_written_into_the_turns(smollm_tokeni
 
 
 @pytest.mark.parametrize("name", [None, "get_time"])
-@pytest.mark.parametrize("parallel", [True, False])
-def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, parallel):
+@pytest.mark.parametrize(("fmt", "parallel"), [("hermes", True), ("hermes", False),
+                                               ("json", True)])
+def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, fmt, parallel):
     """Random walks through the grammar's allowed tokens (no model: any allowed token)
     end in outputs that parse into calls of the right tools with valid arguments."""
     import jsonschema
@@ -171,7 +218,7 @@ def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, parallel)
     tok = smollm_tokenizer
     grammars = Grammars(tok, tok.vocab_size)
     choice = ToolChoice("required") if name is None else ToolChoice("named", name)
-    spec = constraint(check_tools(TOOLS), choice, parallel)
+    spec = constraint(check_tools(TOOLS), choice, parallel, fmt)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     rng = random.Random(len(name or "") + parallel)
     for _ in range(4):
@@ -184,8 +231,9 @@ def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, parallel)
             matcher.consume(token)
             ids.append(token)
         assert token in tok.eos_token_ids, "the grammar never let the output end"
-        content, calls = parse(tok.decode(ids), TOOLS)
-        assert content.strip() == "" and calls and (parallel or len(calls) == 1)
+        content, calls = parse(tok.decode(ids), TOOLS, fmt)
+        assert content.strip() == "" and calls
+        assert len(calls) == 1 or (parallel and fmt == "hermes")
         for call in calls:
             assert name in (None, call.name)
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -51,7 +51,7 @@ from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
-from tiny_llm.tool_calls import ToolCall, ToolCallParser, ToolChoice
+from tiny_llm.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
 
 log = logging.getLogger("tiny_llm")
 
@@ -355,7 +355,10 @@ def check_fields(body: dict, chat: bool) -> None:
 # ANCHOR_END: request_fields
 
 
-def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
+def parse_request(body: Any, chat: bool, model_name: str,
+                  tool_format: str | None = "hermes") -> ParsedRequest:
+    """The request, checked; ``tool_format``: how the model writes tool calls
+    (``tool_calls.format_of``; None: in no format this server reads)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_fields(body, chat)
@@ -373,15 +376,20 @@ def parse_request(body: Any, chat: bool, model_name: str) -> ParsedRequest:
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
     tools, choice, parallel = offered_tools(body) if chat else (None, ToolChoice("none"), True)
+    if tools and tool_format is None:
+        raise APIError(400, "this model's chat template teaches a tool-call format this server "
+                       "does not read (Hermes <tool_call> blocks or Llama's JSON object)",
+                       param="tools")
     structured = structured_output(body)
-    calls_only = tool_calls.constraint(tools or [], choice, parallel)
+    calls_only = tool_calls.constraint(tools or [], choice, parallel, tool_format)
     if calls_only is not None:
         if structured is not None:
             raise APIError(400, "a required or named tool_choice constrains the output to "
                            "tool calls; it cannot also follow a response format",
                            param="tool_choice")
         structured = calls_only
-    elif choice.mode == "auto" and not parallel and isinstance(options.get("stop", []), str | list):
+    elif choice.mode == "auto" and not parallel and tool_format == "hermes" and \
+            isinstance(options.get("stop", []), str | list):
         stop = options.get("stop", [])  # at most one call: stop at its end
         options["stop"] = [*([stop] if isinstance(stop, str) else stop), tool_calls.CLOSE]
     try:
@@ -562,6 +570,9 @@ class Server:
         self.metrics = Metrics(engine, lambda: self.loop.num_aborted)
         self.created = int(time.time())
         self.shutting_down = False
+        tokenizer = engine.tokenizer
+        self.tool_format = tool_calls.format_of(tokenizer.chat_template,
+                                                tokenizer.template_reads_tools)
 
     def begin_shutdown(self, timeout: float) -> None:
         """Refuse new requests; end the ones in flight with an error after ``timeout``
@@ -611,7 +622,7 @@ class Server:
         length."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", kind="server_shutting_down")
-        parsed = parse_request(body, chat, self.model_name)
+        parsed = parse_request(body, chat, self.model_name, self.tool_format)
         # Templating and tokenizing take time that grows with the prompt: a worker thread.
         ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
                                       parsed.params, parsed.tools)
@@ -707,7 +718,8 @@ class Server:
         except APIError as e:
             return error_response(e)
         shape = (ChatShape(request_id, self.model_name, self.token_text,
-                           parsed.tools if parsed.parse_tools else None) if chat
+                           parsed.tools if parsed.parse_tools else None, self.tool_format)
+                 if chat
                  else CompletionShape(request_id, self.model_name, self.token_text))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
@@ -810,11 +822,11 @@ class ChatShape(CompletionShape):
     object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, token_text: Callable[[int], str],
-                 tools: list[dict[str, Any]] | None = None):
+                 tools: list[dict[str, Any]] | None = None, tool_format: str | None = None):
         super().__init__(request_id, model, token_text)
         self.id = f"chatcmpl-{request_id}"
-        self.tools = tools
-        self.parsers: dict[int, ToolCallParser] = {}  # per choice, while it streams
+        self.tools, self.tool_format = tools, tool_format
+        self.parsers: dict[int, ToolCallParser | JsonToolCallParser] = {}  # per streamed choice
 
     def first(self, index: int) -> dict[str, Any]:
         # with tools, the content may never come (only calls): null until it does
@@ -827,7 +839,9 @@ class ChatShape(CompletionShape):
         delta: dict[str, Any] = {}
         calls: list[ToolCall] = []
         if self.tools is not None:
-            parser = self.parsers.setdefault(index, ToolCallParser(self.tools))
+            if index not in self.parsers:
+                self.parsers[index] = tool_calls.parser(self.tools, self.tool_format)
+            parser = self.parsers[index]
             first = parser.num_calls
             text, calls = parser.feed(text)
             if finish_reason is not None:
@@ -848,7 +862,7 @@ class ChatShape(CompletionShape):
                records: list[TokenLogprob] | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools is not None:
-            content, calls = tool_calls.parse(text, self.tools)
+            content, calls = tool_calls.parse(text, self.tools, self.tool_format)
             if calls:
                 message = {"role": "assistant", "content": content if content.strip() else None,
                            "tool_calls": [c.as_openai() for c in calls]}

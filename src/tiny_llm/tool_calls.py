@@ -12,19 +12,24 @@ model in one of two ways:
   tools and the format, earlier calls are written in that format and results become user
   turns, so that any chat model can be offered tools.
 
-The model answers with calls in the Hermes format, one per block::
+The model answers in the format its template teaches (``format_of``). Hermes blocks (Qwen's
+templates, and the turns written for a template without tools), one call per block::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-``ToolCallParser`` splits an output into content and calls as it streams: text is content
-unless it may begin a block (held back until it is clear), a block becomes a call when it
-closes on a JSON object naming an offered tool, and anything else in a block stays content,
-as written. ``tool_choice`` decides what is enforced: ``none`` parses nothing, ``auto``
-parses what the model chose to write, ``required`` and a named function constrain the
-output to calls (``constraint``: a grammar over the tools' own schemas, the structured
-outputs' machinery), so a required call is always a valid one.
+``ToolCallParser`` splits such an output into content and calls as it streams: text is
+content unless it may begin a block (held back until it is clear), a block becomes a call
+when it closes on a JSON object naming an offered tool, and anything else in a block stays
+content, as written. Llama's templates teach one JSON object as the whole answer,
+``{"name": ..., "parameters": {...}}`` (``JsonToolCallParser``: an answer that begins with
+``{`` waits for its end).
+
+``tool_choice`` decides what is enforced: ``none`` parses nothing, ``auto`` parses what the
+model chose to write, ``required`` and a named function constrain the output to calls
+(``constraint``: a grammar over the tools' own schemas, the structured outputs' machinery),
+so a required call is always a valid one.
 """
 
 from __future__ import annotations
@@ -38,6 +43,19 @@ from tiny_llm.structured import JSON_LAYOUT, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
+FORMATS = ("hermes", "json")  # <tool_call> blocks; Llama's whole-answer JSON object
+
+
+def format_of(chat_template: str | None, template_reads_tools: bool) -> str | None:
+    """The format a model writes its calls in, read from its chat template: Hermes blocks
+    where the template names them or does not read tools (the turns then teach them),
+    Llama's JSON object where it teaches that; None for a template that reads tools and
+    teaches a format this module does not read."""
+    if not template_reads_tools or OPEN in chat_template:
+        return "hermes"
+    if "<|python_tag|>" in chat_template or '"parameters"' in chat_template:
+        return "json"
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,20 +129,23 @@ def chosen(tool_choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
 
 
 # ANCHOR: constraint
-def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool
-               ) -> StructuredOutput | None:
-    """The grammar a ``required`` or named choice holds the output to: one call (or, with
-    ``parallel``, several, one per line) whose name is an offered tool's (the named one)
-    and whose arguments match that tool's parameters. None for ``auto`` and ``none``: the
-    model chooses."""
+def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
+               fmt: str = "hermes") -> StructuredOutput | None:
+    """The grammar a ``required`` or named choice holds the output to: one call (or, in
+    Hermes blocks with ``parallel``, several, one per line) whose name is an offered tool's
+    (the named one) and whose arguments match that tool's parameters. None for ``auto``
+    and ``none``: the model chooses."""
     if choice.mode in ("none", "auto"):
         return None
     offered = [t["function"] for t in tools
                if choice.mode == "required" or t["function"]["name"] == choice.name]
+    key = "arguments" if fmt == "hermes" else "parameters"
     call = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, "arguments": f["parameters"]},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in offered],
+        "name": {"const": f["name"]}, key: f["parameters"]},
+        "required": ["name", key], "additionalProperties": False} for f in offered],
         "x-guidance": JSON_LAYOUT}
+    if fmt == "json":  # the whole answer is the call
+        return StructuredOutput(json=call)
     calls = 'call ("\\n" call)*' if parallel else "call"
     return StructuredOutput(grammar=(
         f"start: {calls}\n"
@@ -265,7 +286,7 @@ class ToolCallParser:
     def _close(self, body: str, closed: bool, content: list[str],
                calls: list[ToolCall]) -> None:
         self.in_block = False
-        call = self._call(body)
+        call = _as_call(body, self.names)
         self.after_call = call is not None
         if call is None:  # not a call: the block stays text, as the model wrote it
             content.append(OPEN + body + (CLOSE if closed else ""))
@@ -273,27 +294,69 @@ class ToolCallParser:
         calls.append(call)
         self.num_calls += 1
 
-    def _call(self, body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in self.names:
-            return None
-        arguments = value.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return None
-        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
-                        f"call_{secrets.token_hex(12)}")
 # ANCHOR_END: parser
 
 
-def parse(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ToolCall]]:
+class JsonToolCallParser:
+    """Llama's format: a call is the whole answer, one JSON object naming a tool. An answer
+    that begins with ``{`` is held to its end; any other streams as content."""
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        self.names = {t["function"]["name"] for t in tools}
+        self.pending = ""
+        self.holding: bool | None = None  # undecided until the first non-space character
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.holding is False:
+            return text, []
+        self.pending += text
+        start = self.pending.lstrip()
+        if start:
+            self.holding = start[0] == "{"
+        if self.holding is False:
+            text, self.pending = self.pending, ""
+            return text, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        call = _as_call(text, self.names) if self.holding else None
+        if call is None:
+            return text, []
+        self.num_calls += 1
+        return "", [call]
+
+
+def parser(tools: list[dict[str, Any]], fmt: str = "hermes"
+           ) -> ToolCallParser | JsonToolCallParser:
+    """A streaming parser of calls in the format ``fmt`` (``format_of``)."""
+    return ToolCallParser(tools) if fmt == "hermes" else JsonToolCallParser(tools)
+
+
+def parse(text: str, tools: list[dict[str, Any]], fmt: str = "hermes"
+          ) -> tuple[str, list[ToolCall]]:
     """A whole output's content and calls."""
-    parser = ToolCallParser(tools)
-    content, calls = parser.feed(text)
-    rest, more = parser.finish()
+    reader = parser(tools, fmt)
+    content, calls = reader.feed(text)
+    rest, more = reader.finish()
     return content + rest, calls + more
+
+
+def _as_call(text: str, names: set[str]) -> ToolCall | None:
+    """A call, if ``text`` is a JSON object naming one of ``names`` with an object of
+    arguments (Hermes' key, or Llama's ``parameters``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
+                    f"call_{secrets.token_hex(12)}")
 
 
 def _partial_tag(text: str) -> int:
