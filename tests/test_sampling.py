@@ -569,6 +569,9 @@ def test_prompt_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
     assert outs[1].prompt_logprobs is None
     check(outs[2], tail, 0)
     assert len(outs[2].outputs) == 2
+    alone = engine.generate([prompts[2]], [SamplingParams(max_tokens=1, prompt_logprobs=0)],
+                            use_tqdm=False)  # a step whose scored rows all want k = 0
+    check(alone[0], tail, 0)
 
     small = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=4, num_pages=6, page_size=16,
                       max_num_batched_tokens=24)  # 96 tokens: not enough for both at once

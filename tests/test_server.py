@@ -818,9 +818,10 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
     its arguments validate against that tool's parameters, over seeds and temperatures;
     the streamed deltas assemble (the client's own accumulator) into the same calls; a
     greedy call is the request served alone under the same grammar; auto parses what the
-    model wrote (here forced by a regex), with parallel_tool_calls false at most one call;
-    a follow-up with the call and its result is served; bad tools are 400s naming the
-    field."""
+    model wrote (here forced by a regex), with parallel_tool_calls false at most one call,
+    and a strict tool's call that its schema refuses comes back as text; none neither
+    offers nor reads; a follow-up with the call and its result is served; bad tools are
+    400s naming the field."""
     from tiny_llm import tool_calls
 
     import jsonschema
@@ -850,6 +851,9 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
                                          max_tokens=200, temperature=1.0, seed=3)
     calls = checked(got.choices[0])
     assert [name for name, _ in calls] == ["get_time"]  # one call, of the named tool
+    got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                         tool_choice=named, max_tokens=200, seed=4)
+    assert [name for name, _ in checked(got.choices[0])] == ["get_time"]  # parallel or not
     with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS,
                                         tool_choice=named, parallel_tool_calls=False,
                                         max_tokens=200, temperature=1.0, seed=3) as stream:
@@ -882,10 +886,17 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
             final = stream.get_final_completion()
         assert final.choices[0].message.content == "Let me check.\n"
         assert checked_auto(final.choices[0]) == [("get_time", {"zone": "CET"})] * count
+    strict = [t | {"function": t["function"] | {"strict": True}} for t in TOOLS]
+    refused = {"structured_outputs": {"regex": call.replace('"CET"', "7")}}  # not a string
+    as_text = client.chat.completions.create(model=MODEL, messages=messages, tools=strict,
+                                             max_tokens=100, extra_body=refused).choices[0]
+    assert as_text.message.tool_calls is None and as_text.finish_reason == "stop"
+    assert '"zone": 7' in as_text.message.content  # as text, not as a call
     plain = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                            tool_choice="none", max_tokens=100, extra_body=forced)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
     assert plain.choices[0].message.content.count("<tool_call>") == 2  # none: nothing parsed
+    assert plain.usage.prompt_tokens == len(engine.tokenize(messages))  # nor offered
 
     # the call and its result go back to the model
     follow_up = [*messages, got.choices[0].message.model_dump(exclude_none=True),

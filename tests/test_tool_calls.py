@@ -45,6 +45,11 @@ def test_an_output_splits_into_content_and_calls():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    only_calls = OUTPUT[OUTPUT.index("<tool_call>"):]
+    assert parse(f"\n\n{only_calls}\n", TOOLS)[0] == ""  # whitespace around calls is not content
+    assert parse("  ", TOOLS)[0] == "  "  # but is, when there is no call
+    not_a_call = "<tool_call>oops</tool_call>"
+    assert parse(f"{only_calls}\n{not_a_call}", TOOLS)[0] == f"\n{not_a_call}"
     assert calls[0].as_openai()["function"] == {"name": "get_weather",
                                                 "arguments": calls[0].arguments}
 
@@ -60,9 +65,12 @@ LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
     "a < b and <tool_ca ll> is not a tag; <tool_call",  # a tag begun at the very end
     'x <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n',  # stopped at its end
     "<tool_call>\n{\"name\": \"get_ti",  # cut off (max_tokens)
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}\n</tool_call>',
+    '<tool_call>{"name": ["get_time"]}</tool_call> <tool_call>{"name": {}}</tool_call>',
+    f"\n{OUTPUT[OUTPUT.index('<tool_call>'):]}\n<tool_call>oops</tool_call>  ",
 ]] + [("json", t) for t in [
     LLAMA_CALL, f"  {LLAMA_CALL}\n", '{"answer": 42}', "Plain text {not a call}",
-    LLAMA_CALL[:20]]])
+    LLAMA_CALL[:20], f"<|python_tag|>{LLAMA_CALL}", "<|python_tag|> ok", '{"name": [1]}']])
 def test_fed_in_any_pieces_an_output_parses_as_it_does_whole(fmt, text):
     whole_content, whole_calls = parse(text, TOOLS, fmt)
     rng = random.Random(0)
@@ -82,9 +90,13 @@ def test_fed_in_any_pieces_an_output_parses_as_it_does_whole(fmt, text):
 
 
 def test_llamas_format_is_one_json_object_as_the_whole_answer():
-    assert [(c.name, json.loads(c.arguments)) for c in parse(LLAMA_CALL, TOOLS, "json")[1]] \
-        == [("get_time", {"zone": "CET"})]
-    assert parse(LLAMA_CALL, TOOLS, "json")[0] == ""
+    for text in (LLAMA_CALL, f" <|python_tag|>{LLAMA_CALL}"):  # Llama 3.1 may write the tag
+        content, calls = parse(text, TOOLS, "json")
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_time", {"zone": "CET"})]
+    tagged = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}'
+    assert [json.loads(c.arguments) for c in parse(f"{tagged}\n</tool_call>", TOOLS)[1]] == [
+        {"zone": "</tool_call>"}]  # the tag inside a string does not end the block
     reader = parser(TOOLS, "json")
     assert reader.feed("It is") == ("It is", [])  # not an object: content at once
     reader = parser(TOOLS, "json")
@@ -105,6 +117,11 @@ def test_the_format_is_read_from_the_template():
     assert format_of(TOOLS_TEMPLATE, True) == "hermes"
     assert format_of(LLAMA_LIKE_TEMPLATE, True) == "json"
     assert format_of("{{ tools | tojson }} [TOOL_CALLS]", True) is None  # Mistral's
+    from tiny_llm.tokenizer import Tokenizer
+
+    broken = Tokenizer.__new__(Tokenizer)  # only its template matters here
+    broken.chat_template = "{% if tools %}"  # a syntax error: said when it is rendered
+    assert not broken.template_reads_tools
 
 
 def test_a_model_whose_format_is_unknown_is_refused_tools():
@@ -156,6 +173,7 @@ def test_tool_choice():
     assert named_required == ("named", "required")  # a function may be named so
     for choice, match in [("always", "must be one of"), ("required", "needs tools"),
                           ({"type": "function", "function": {"name": "nope"}}, "not among"),
+                          ({"type": "function", "function": {"name": ["x"]}}, "not among"),
                           ({"function": {"name": "get_time"}}, "a named tool_choice")]:
         with pytest.raises(ValueError, match=match):
             chosen(choice, TOOLS if choice != "required" else [])
@@ -233,9 +251,26 @@ def test_a_required_call_is_always_a_valid_one(smollm_tokenizer, name, fmt, para
         assert token in tok.eos_token_ids, "the grammar never let the output end"
         content, calls = parse(tok.decode(ids), TOOLS, fmt)
         assert content.strip() == "" and calls
-        assert len(calls) == 1 or (parallel and fmt == "hermes")
+        assert len(calls) == 1 or (parallel and fmt == "hermes" and name is None)
         for call in calls:
             assert name in (None, call.name)
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
     assert constraint(TOOLS, ToolChoice("auto"), True) is None
     assert constraint(TOOLS, ToolChoice("none"), True) is None
+
+
+def test_a_strict_tools_calls_are_calls_only_when_their_arguments_validate():
+    """Under auto nothing holds the model to a schema while it writes; a strict tool's
+    call that its parameters refuse comes back as the text it is, never as a call."""
+    strict = [t | {"function": t["function"] | {"strict": True}} for t in TOOLS]
+    valid = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    invalid = '<tool_call>{"name": "get_time", "arguments": {"zone": 7}}</tool_call>'
+    for fmt, good, bad in [("hermes", valid, invalid),
+                           ("json", LLAMA_CALL, LLAMA_CALL.replace('"CET"', "7"))]:
+        assert [c.name for c in parse(good, check_tools(strict), fmt)[1]] == ["get_time"]
+        assert parse(bad, check_tools(strict), fmt) == (bad, [])
+        assert [c.name for c in parse(bad, check_tools(TOOLS), fmt)[1]] == ["get_time"]
+    for bad, match in [({"strict": "yes"}, "strict must be a boolean"),
+                       ({"strict": True, "parameters": {"type": "strin"}}, "not a JSON schema")]:
+        with pytest.raises(ValueError, match=match):
+            check_tools([{"type": "function", "function": {"name": "f", **bad}}])

@@ -309,11 +309,6 @@ class SimRequest:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def num_reusable_tokens(self) -> int:
-        """Tokens whose cached K/V Day 3's prefix cache may give it: all of them."""
-        return self.num_tokens
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 

@@ -132,9 +132,10 @@ class Request:
         """Tokens whose cached K/V this request may take instead of computing them: all
         of them, but only those already scored when it asks for its prompt's logprobs
         (a cached page's tokens would have no logits)."""
-        if self.params.prompt_logprobs is None:
+        scored = len(self.prompt_logprobs)
+        if self.params.prompt_logprobs is None or scored >= len(self.prompt_token_ids) - 1:
             return self.num_tokens
-        return min(self.num_tokens, len(self.prompt_logprobs))
+        return scored
 
     @property
     def num_tokens(self) -> int:

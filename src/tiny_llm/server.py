@@ -294,6 +294,7 @@ class ParsedRequest:
     include_usage: bool
     tools: list[dict[str, Any]] | None = None  # offered to the model (templated)
     parse_tools: bool = False  # whether the output is read for tool calls
+    grammar_param: str | None = None  # the field the output's grammar came from
 
 
 # ANCHOR: request_fields
@@ -375,23 +376,11 @@ def parse_request(body: Any, chat: bool, model_name: str,
         max_tokens = body.get("max_tokens")
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
-    tools, choice, parallel = offered_tools(body) if chat else (None, ToolChoice("none"), True)
-    if tools and tool_format is None:
-        raise APIError(400, "this model's chat template teaches a tool-call format this server "
-                       "does not read (Hermes <tool_call> blocks or Llama's JSON object)",
-                       param="tools")
-    structured = structured_output(body)
-    calls_only = tool_calls.constraint(tools or [], choice, parallel, tool_format)
-    if calls_only is not None:
-        if structured is not None:
-            raise APIError(400, "a required or named tool_choice constrains the output to "
-                           "tool calls; it cannot also follow a response format",
-                           param="tool_choice")
-        structured = calls_only
-    elif choice.mode == "auto" and not parallel and tool_format == "hermes" and \
-            isinstance(options.get("stop", []), str | list):
-        stop = options.get("stop", [])  # at most one call: stop at its end
-        options["stop"] = [*([stop] if isinstance(stop, str) else stop), tool_calls.CLOSE]
+    fmt = structured_output(body)
+    tools, parse_tools, structured = tool_use(body, tool_format, fmt, options) if chat \
+        else (None, False, fmt)
+    grammar_param = "tools" if structured is not fmt else next(
+        (name for name in ("structured_outputs", "response_format") if body.get(name)), None)
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
                                 structured=structured, n=n, **options)
@@ -406,7 +395,7 @@ def parse_request(body: Any, chat: bool, model_name: str,
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage", param="stream_options")
     return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")),
-                         tools, choice.mode != "none")
+                         tools, parse_tools, grammar_param)
 
 
 # ANCHOR: offered_tools
@@ -426,6 +415,35 @@ def offered_tools(body: dict) -> tuple[list[dict[str, Any]] | None, ToolChoice, 
     if parallel not in (None, True, False):
         raise APIError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     return tools, choice, parallel is not False
+
+
+def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None,
+             options: dict[str, Any]
+             ) -> tuple[list[dict[str, Any]] | None, bool, StructuredOutput | None]:
+    """What a chat request's tools ask for: the tools its prompt offers (none under
+    tool_choice none), whether its output is read for calls, and the grammar the output
+    follows: a required or named call's, else the response format ``fmt``. Under auto
+    without parallel calls, the output stops at the first call's end (a stop string added
+    to ``options``)."""
+    tools, choice, parallel = offered_tools(body)
+    if choice.mode == "none":
+        return None, False, fmt
+    if tool_format is None:
+        raise APIError(400, "this model's chat template teaches a tool-call format this server "
+                       "does not read (Hermes <tool_call> blocks or Llama's JSON object)",
+                       param="tools")
+    calls_only = tool_calls.constraint(tools, choice, parallel, tool_format)
+    if calls_only is not None:
+        if fmt is not None:
+            raise APIError(400, "a required or named tool_choice constrains the output to "
+                           "tool calls; it cannot also follow a response format",
+                           param="tool_choice")
+        return tools, True, calls_only
+    if not parallel and tool_format == "hermes" and \
+            isinstance(options.get("stop", []), str | list):
+        stop = options.get("stop", [])
+        options["stop"] = [*([stop] if isinstance(stop, str) else stop), tool_calls.CLOSE]
+    return tools, True, fmt
 # ANCHOR_END: offered_tools
 
 
@@ -633,9 +651,7 @@ class Server:
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
         except GrammarError as e:  # the grammar of a format, or of a required tool call
-            param = next((name for name in ("structured_outputs", "response_format")
-                          if body.get(name) is not None), "tools")
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=parsed.grammar_param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         return parsed, request_id, [(i, q, Timeline()) for i, q in queues], num_prompt

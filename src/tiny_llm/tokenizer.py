@@ -28,7 +28,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
@@ -213,12 +213,12 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Template, then ids; no extra BOS, as the template writes one itself when needed.
-        Where a message or a tool spells a special token (``<|im_end|>``), the template sees
-        a placeholder in that spelling's place, and the rendering's placeholders are encoded
-        as the spelling's text (``encode_as_text``): only the template's own markup becomes
-        control tokens."""
+        Where a message or a tool spells a special token (``<|im_end|>``) in any string, key
+        or value, the template sees a placeholder in that spelling's place, and the
+        rendering's placeholders are encoded as the spelling's text (``encode_as_text``):
+        only the template's own markup becomes control tokens."""
         specials = self._special_pattern()
-        if specials is None or not _spells(specials, [messages, tools]):
+        if specials is None or not any(map(specials.search, strings_in([messages, tools]))):
             prompt = self.apply_chat_template(messages, add_generation_prompt, tools)
             return self.encode(prompt, add_special_tokens=False)
         nonce = secrets.token_hex(8)  # no text a client sends can spell this placeholder
@@ -234,7 +234,7 @@ class Tokenizer:
             if isinstance(value, list):
                 return [masked(v) for v in value]
             if isinstance(value, dict):
-                return {k: v if k == "role" else masked(v) for k, v in value.items()}
+                return {masked(k): masked(v) for k, v in value.items()}
             return value
 
         prompt = self.apply_chat_template(masked(messages), add_generation_prompt,
@@ -397,15 +397,17 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-def _spells(specials: re.Pattern[str], value: Any) -> bool:
-    """Whether any string inside ``value`` (a role aside) spells a special token."""
+def strings_in(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (nested lists and dicts: keys and values)."""
     if isinstance(value, str):
-        return specials.search(value) is not None
-    if isinstance(value, list):
-        return any(_spells(specials, v) for v in value)
-    if isinstance(value, dict):
-        return any(_spells(specials, v) for k, v in value.items() if k != "role")
-    return False
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from strings_in(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from strings_in(k)
+            yield from strings_in(v)
 
 
 @lru_cache(maxsize=8)
@@ -413,7 +415,10 @@ def _reads_tools(source: str) -> bool:
     from jinja2 import meta
 
     env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-    return "tools" in meta.find_undeclared_variables(env.parse(source))
+    try:
+        return "tools" in meta.find_undeclared_variables(env.parse(source))
+    except TemplateError:  # rendering says what is wrong with it, where it is used
+        return False
 
 
 def _raise_exception(message: str) -> None:

@@ -24,7 +24,8 @@ content unless it may begin a block (held back until it is clear), a block becom
 when it closes on a JSON object naming an offered tool, and anything else in a block stays
 content, as written. Llama's templates teach one JSON object as the whole answer,
 ``{"name": ..., "parameters": {...}}`` (``JsonToolCallParser``: an answer that begins with
-``{`` waits for its end).
+``{`` waits for its end). A call of a ``strict`` tool is a call only if its arguments
+validate against the tool's parameters (``jsonschema``); otherwise it stays content.
 
 ``tool_choice`` decides what is enforced: ``none`` parses nothing, ``auto`` parses what the
 model chose to write, ``required`` and a named function constrain the output to calls
@@ -42,8 +43,8 @@ from typing import Any, NamedTuple
 from tiny_llm.structured import JSON_LAYOUT, StructuredOutput
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may begin a call with it
 CHOICES = ("none", "auto", "required")
-FORMATS = ("hermes", "json")  # <tool_call> blocks; Llama's whole-answer JSON object
 
 
 def format_of(chat_template: str | None, template_reads_tools: bool) -> str | None:
@@ -94,10 +95,25 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise ValueError(f"tools[{i}].function.description must be a string")
+        strict = function.get("strict")
+        if strict not in (None, True, False):
+            raise ValueError(f"tools[{i}].function.strict must be a boolean")
+        if strict:
+            _check_schema(i, parameters)
         checked.append({"type": "function", "function": {
             "name": name, **({"description": description} if description else {}),
-            "parameters": parameters}})
+            "parameters": parameters, **({"strict": True} if strict else {})}})
     return checked
+
+
+def _check_schema(i: int, schema: dict[str, Any]) -> None:
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise ValueError(f"tools[{i}].function.parameters is not a JSON schema: "
+                         f"{e.message}") from None
 
 
 class ToolChoice(NamedTuple):
@@ -123,7 +139,7 @@ def chosen(tool_choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
     if not named:
         raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
     name = tool_choice["function"].get("name")
-    if name not in {t["function"]["name"] for t in tools}:
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
     return ToolChoice("named", name)
 
@@ -131,10 +147,10 @@ def chosen(tool_choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
 # ANCHOR: constraint
 def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
                fmt: str = "hermes") -> StructuredOutput | None:
-    """The grammar a ``required`` or named choice holds the output to: one call (or, in
-    Hermes blocks with ``parallel``, several, one per line) whose name is an offered tool's
-    (the named one) and whose arguments match that tool's parameters. None for ``auto``
-    and ``none``: the model chooses."""
+    """The grammar a ``required`` or named choice holds the output to: one call (for
+    ``required`` in Hermes blocks with ``parallel``, one or more, a line apart) whose name
+    is an offered tool's (the named one) and whose arguments match that tool's parameters.
+    None for ``auto`` and ``none``: the model chooses."""
     if choice.mode in ("none", "auto"):
         return None
     offered = [t["function"] for t in tools
@@ -146,7 +162,7 @@ def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
         "x-guidance": JSON_LAYOUT}
     if fmt == "json":  # the whole answer is the call
         return StructuredOutput(json=call)
-    calls = 'call ("\\n" call)*' if parallel else "call"
+    calls = 'call ("\\n" call)*' if parallel and choice.mode == "required" else "call"
     return StructuredOutput(grammar=(
         f"start: {calls}\n"
         f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
@@ -237,13 +253,15 @@ class ToolCallParser:
 
     ``feed`` takes the next text and returns the content that is now certain and the calls
     that closed; ``finish`` returns what was held back. Fed whole or in any pieces, an
-    output gives the same content and calls."""
+    output gives the same content and calls. Whitespace at the start and between calls
+    waits: it is content only if text, not a call, follows it."""
 
     def __init__(self, tools: list[dict[str, Any]]):
-        self.names = {t["function"]["name"] for t in tools}
-        self.pending = ""  # text not yet given out: a possible opening tag, or a block
+        self.reader = CallReader(tools)
+        self.pending = ""  # text not yet looked at: a possible opening tag, or a block
         self.in_block = False
-        self.after_call = False  # only whitespace since the last call closed
+        self.gap = ""  # whitespace held since the start or the last call
+        self.at_boundary = True  # nothing but that whitespace since the start or a call
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -252,22 +270,19 @@ class ToolCallParser:
         calls: list[ToolCall] = []
         while True:
             if self.in_block:
-                end = self.pending.find(CLOSE)
+                end = _block_end(self.pending)
                 if end < 0:
                     break  # the block goes on
                 self._close(self.pending[:end], True, content, calls)
                 self.pending = self.pending[end + len(CLOSE):]
                 continue
             start = self.pending.find(OPEN)
-            if start < 0:  # give out all but what may begin a tag
-                text = self.pending[:len(self.pending) - _partial_tag(self.pending)]
-                if self.after_call and not text.strip():
-                    break  # whitespace after a call waits: between calls it is not content
-                content.append(text)
-                self.pending, self.after_call = self.pending[len(text):], False
+            before = self.pending[:start] if start >= 0 else \
+                self.pending[:len(self.pending) - _partial_tag(self.pending)]
+            self._text(before, content)
+            if start < 0:  # the rest may begin a tag
+                self.pending = self.pending[len(before):]
                 break
-            if not (self.after_call and not self.pending[:start].strip()):
-                content.append(self.pending[:start])
             self.pending, self.in_block = self.pending[start + len(OPEN):], True
         return "".join(content), calls
 
@@ -278,33 +293,42 @@ class ToolCallParser:
         calls: list[ToolCall] = []
         if self.in_block:
             self._close(self.pending, False, content, calls)
-        elif not (self.after_call and not self.pending.strip()):
-            content.append(self.pending)
-        self.pending, self.in_block = "", False
+        else:
+            self._text(self.pending, content)
+        if not self.num_calls:  # no call: the held whitespace was the answer's
+            content.append(self.gap)
+        self.pending, self.in_block, self.gap = "", False, ""
         return "".join(content), calls
+
+    def _text(self, text: str, content: list[str]) -> None:
+        if self.at_boundary and not text.strip():
+            self.gap += text  # content only if text follows
+            return
+        content.append(self.gap + text)
+        self.gap, self.at_boundary = "", False
 
     def _close(self, body: str, closed: bool, content: list[str],
                calls: list[ToolCall]) -> None:
         self.in_block = False
-        call = _as_call(body, self.names)
-        self.after_call = call is not None
+        call = self.reader.call(body)
         if call is None:  # not a call: the block stays text, as the model wrote it
-            content.append(OPEN + body + (CLOSE if closed else ""))
+            self._text(OPEN + body + (CLOSE if closed else ""), content)
             return
         calls.append(call)
         self.num_calls += 1
-
+        self.gap, self.at_boundary = "", True
 # ANCHOR_END: parser
 
 
 class JsonToolCallParser:
-    """Llama's format: a call is the whole answer, one JSON object naming a tool. An answer
-    that begins with ``{`` is held to its end; any other streams as content."""
+    """Llama's format: a call is the whole answer, one JSON object naming a tool (after
+    ``<|python_tag|>``, which Llama 3.1 may write first). An answer that begins with ``{``
+    is held to its end; any other streams as content."""
 
     def __init__(self, tools: list[dict[str, Any]]):
-        self.names = {t["function"]["name"] for t in tools}
+        self.reader = CallReader(tools)
         self.pending = ""
-        self.holding: bool | None = None  # undecided until the first non-space character
+        self.holding: bool | None = None  # undecided until the first character past the tag
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -312,6 +336,9 @@ class JsonToolCallParser:
             return text, []
         self.pending += text
         start = self.pending.lstrip()
+        if PYTHON_TAG.startswith(start):
+            return "", []  # the tag, or a part of it: undecided
+        start = start.removeprefix(PYTHON_TAG).lstrip()
         if start:
             self.holding = start[0] == "{"
         if self.holding is False:
@@ -321,7 +348,9 @@ class JsonToolCallParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self.pending = self.pending, ""
-        call = _as_call(text, self.names) if self.holding else None
+        call = None
+        if self.holding:
+            call = self.reader.call(text.lstrip().removeprefix(PYTHON_TAG))
         if call is None:
             return text, []
         self.num_calls += 1
@@ -343,20 +372,60 @@ def parse(text: str, tools: list[dict[str, Any]], fmt: str = "hermes"
     return content + rest, calls + more
 
 
-def _as_call(text: str, names: set[str]) -> ToolCall | None:
-    """A call, if ``text`` is a JSON object naming one of ``names`` with an object of
-    arguments (Hermes' key, or Llama's ``parameters``)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
-                    f"call_{secrets.token_hex(12)}")
+class CallReader:
+    """What makes a text a call: a JSON object naming an offered tool, with an object of
+    arguments (Hermes' key, or Llama's ``parameters``) that a ``strict`` tool's parameters
+    accept."""
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        self.names = {t["function"]["name"] for t in tools}
+        strict = [t["function"] for t in tools if t["function"].get("strict")]
+        self.validators = {}
+        if strict:
+            from jsonschema import Draft202012Validator
+
+            self.validators = {f["name"]: Draft202012Validator(f["parameters"]) for f in strict}
+
+    def call(self, text: str) -> ToolCall | None:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
+                value["name"] not in self.names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return None
+        validator = self.validators.get(value["name"])
+        if validator is not None and not validator.is_valid(arguments):
+            return None
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
+                        f"call_{secrets.token_hex(12)}")
+
+
+def _block_end(text: str) -> int:
+    """Where the closing tag of a block that begins ``text`` is (-1: not yet): the first
+    one outside a JSON string, so that a call's own arguments may spell the tag."""
+    at = text.find(CLOSE)
+    while at >= 0 and _inside_json_string(text[:at]):
+        at = text.find(CLOSE, at + 1)
+    return at
+
+
+def _inside_json_string(text: str) -> bool:
+    """Whether ``text``, read as the beginning of a JSON object, ends inside a string."""
+    if not text.lstrip().startswith("{"):
+        return False
+    inside = escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\" and inside:
+            escaped = True
+        elif c == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_tag(text: str) -> int:

@@ -16,7 +16,7 @@ from tiny_llm.engine.config import EngineConfig
 from tiny_llm.request import Request
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.structured import Grammars
-from tiny_llm.tokenizer import Tokenizer, check_text
+from tiny_llm.tokenizer import Tokenizer, check_text, strings_in
 from tiny_llm.tool_calls import check_tool_message, check_tools, template_messages
 
 import numpy as np
@@ -107,10 +107,13 @@ class InputProcessor:
                 raise TypeError(f"message {i} 'content' must be a string, got "
                                 f"{type(content).__name__}")
             check_tool_message(i, message)
-            _check_strings(f"message {i}", message)
+            for key, value in message.items():
+                for text in strings_in([key, value]):
+                    check_text(f"message {i} {key!r}", text)
         if tools is not None:
             tools = check_tools(tools)
-            _check_strings("tools", tools)
+            for text in strings_in(tools):
+                check_text("tools", text)
         messages, tools = template_messages(messages, tools,
                                             self.tokenizer.template_reads_tools)
         try:
@@ -164,15 +167,3 @@ class InputProcessor:
 
 def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
-
-
-def _check_strings(what: str, value: Any) -> None:
-    """Every string inside ``value`` is valid Unicode (``check_text``)."""
-    if isinstance(value, str):
-        check_text(what, value)
-    elif isinstance(value, list):
-        for v in value:
-            _check_strings(what, v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(f"{what} {k!r}", v)

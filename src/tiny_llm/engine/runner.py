@@ -23,7 +23,7 @@ from tiny_llm.cpu_kernels import FusedDecode, KernelPlan, kernels_available
 from tiny_llm.day4_paged_attention import VectorKernelAttention
 from tiny_llm.model import Model
 from tiny_llm.request import Request
-from tiny_llm.sampling import TokenLogprob, sample_next_tokens, token_logprob
+from tiny_llm.sampling import TokenLogprob, sample_next_tokens
 from tiny_llm.step import AttentionBackend, DenseLayout, PagedLayout, ScheduledChunk, StepBatch
 from tiny_llm.tensor_parallel import Workers
 
@@ -101,15 +101,32 @@ class ModelRunner:
     def score_prompts(self, logits: mx.array, batch: StepBatch
                       ) -> list[tuple[Request, list[TokenLogprob]]]:
         """Each scored request's records for the prompt tokens after this step's rows: the
-        next token's log-probability under the model's logits, with the ``k`` best."""
+        next token's log-probability under the model's logits, with the ``k`` best (on the
+        device: only ``k + 1`` numbers a row come back)."""
         if not batch.scored:
             return []
-        rows = np.asarray(logits[sum(batch.num_logits):].astype(mx.float32))
+        rows = logits[sum(batch.num_logits):].astype(mx.float32)
+        targets = mx.array([r.prompt_token_ids[q + 1] for r, positions in batch.scored
+                            for q in positions], dtype=mx.int32)
+        log_norm = mx.logsumexp(rows, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(rows, targets[:, None], axis=-1) - log_norm
+        k = max(r.params.prompt_logprobs for r, _ in batch.scored)
+        best = mx.argpartition(-rows, k - 1, axis=-1)[:, :k] if k else \
+            mx.zeros((rows.shape[0], 0), dtype=mx.int32)
+        best_lp = mx.take_along_axis(rows, best, axis=-1) - log_norm
+        mx.eval(picked, best, best_lp)
+        picked, best, best_lp = np.array(picked[:, 0]), np.array(best), np.array(best_lp)
+        tokens = np.array(targets).tolist()
         scores, at = [], 0
         for request, positions in batch.scored:
-            ids, k = request.prompt_token_ids, request.params.prompt_logprobs
-            scores.append((request, [token_logprob(rows[at + i], ids[q + 1], k)
-                                     for i, q in enumerate(positions)]))
+            want = request.params.prompt_logprobs
+            records = []
+            for row in range(at, at + len(positions)):
+                ranked = sorted(zip(best_lp[row].tolist(), best[row].tolist(), strict=True),
+                                key=lambda pair: (-pair[0], pair[1]))[:want]  # ties: by id
+                records.append(TokenLogprob(tokens[row], float(picked[row]),
+                                            tuple((int(t), lp) for lp, t in ranked)))
+            scores.append((request, records))
             at += len(positions)
         return scores
 # ANCHOR_END: model_runner
