@@ -922,7 +922,11 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
               "response_format": {"type": "json_object"}}, "tool_choice"),
             ({"messages": [*messages, {"role": "assistant", "tool_calls": [{
                 "id": "c", "type": "function",
-                "function": {"name": "get_time", "arguments": "{zone"}}]}]}, "messages")]:
+                "function": {"name": "get_time", "arguments": "{zone"}}]}]}, "messages"),
+            ({"messages": [*messages, {"role": "assistant", "tool_calls": [{
+                "id": "c", "type": "function", "function": {
+                    "name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+             "messages")]:  # JSON text too deep for Python's parser
         status, text = http(chat, {"messages": messages, **body})
         error = json.loads(text)["error"]
         assert status == 400 and error["param"] == param, (body, text)

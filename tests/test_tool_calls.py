@@ -68,6 +68,9 @@ LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}\n</tool_call>',
     '<tool_call>{"name": ["get_time"]}</tool_call> <tool_call>{"name": {}}</tool_call>',
     f"\n{OUTPUT[OUTPUT.index('<tool_call>'):]}\n<tool_call>oops</tool_call>  ",
+    '<tool_call>{"q": "5" tall"}</tool_call> then ' + OUTPUT[OUTPUT.index("<tool_call>"):],
+    "<tool_call>" + "[" * 5000 + "</tool_call>",  # JSON too deep for Python to read
+    '<tool_call>{"name": "get_time", "arguments": {"zone": ' + "9" * 5000 + "}}</tool_call>",
 ]] + [("json", t) for t in [
     LLAMA_CALL, f"  {LLAMA_CALL}\n", '{"answer": 42}', "Plain text {not a call}",
     LLAMA_CALL[:20], f"<|python_tag|>{LLAMA_CALL}", "<|python_tag|> ok", '{"name": [1]}']])
@@ -94,6 +97,9 @@ def test_llamas_format_is_one_json_object_as_the_whole_answer():
         content, calls = parse(text, TOOLS, "json")
         assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
             ("get_time", {"zone": "CET"})]
+    odd = '<tool_call>{"q": "5" tall"}</tool_call> then '  # a quote that never closes
+    content, calls = parse(odd + OUTPUT[OUTPUT.index("<tool_call>"):], TOOLS)
+    assert content == odd and [c.name for c in calls] == ["get_weather", "get_time"]
     tagged = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}'
     assert [json.loads(c.arguments) for c in parse(f"{tagged}\n</tool_call>", TOOLS)[1]] == [
         {"zone": "</tool_call>"}]  # the tag inside a string does not end the block
@@ -271,6 +277,9 @@ def test_a_strict_tools_calls_are_calls_only_when_their_arguments_validate():
         assert parse(bad, check_tools(strict), fmt) == (bad, [])
         assert [c.name for c in parse(bad, check_tools(TOOLS), fmt)[1]] == ["get_time"]
     for bad, match in [({"strict": "yes"}, "strict must be a boolean"),
-                       ({"strict": True, "parameters": {"type": "strin"}}, "not a JSON schema")]:
+                       ({"strict": True, "parameters": {"type": "strin"}}, "not a JSON schema"),
+                       ({"strict": True, "parameters": {"$ref": "#/$defs/gone"}}, "refers to"),
+                       ({"strict": True, "parameters": json.loads("[" * 200 + "]" * 200)},
+                        "JSON schema")]:
         with pytest.raises(ValueError, match=match):
             check_tools([{"type": "function", "function": {"name": "f", **bad}}])

@@ -564,6 +564,8 @@ def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams,
                        param=param, code="context_length_exceeded") from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param=param) from None
+    except RecursionError:  # the body parsed, but its messages or tools nest too deeply
+        raise APIError(400, "the messages or tools nest too deeply", param=param) from None
     asked = len(ids) + (params.max_tokens or 0)
     if asked > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "

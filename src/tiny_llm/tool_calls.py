@@ -107,13 +107,30 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _check_schema(i: int, schema: dict[str, Any]) -> None:
+    """A strict tool's parameters: a JSON schema its calls can be checked against."""
     from jsonschema import Draft202012Validator, SchemaError
+    from referencing.exceptions import Unresolvable
 
     try:
         Draft202012Validator.check_schema(schema)
+        Draft202012Validator(schema).is_valid({})  # its references resolve
     except SchemaError as e:
         raise ValueError(f"tools[{i}].function.parameters is not a JSON schema: "
                          f"{e.message}") from None
+    except Unresolvable as e:
+        raise ValueError(f"tools[{i}].function.parameters refers to what it does not "
+                         f"hold: {e}") from None
+    except RecursionError:
+        raise ValueError(f"tools[{i}].function.parameters nests too deeply") from None
+
+
+def _valid(validator: Any, arguments: dict[str, Any]) -> bool:
+    from referencing.exceptions import Unresolvable
+
+    try:
+        return validator.is_valid(arguments)
+    except (Unresolvable, RecursionError):  # arguments the schema cannot judge: no call
+        return False
 
 
 class ToolChoice(NamedTuple):
@@ -224,6 +241,9 @@ def _arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any]:
         value = json.loads(arguments)
     except json.JSONDecodeError as e:
         raise ValueError(f"a tool call's arguments are not JSON: {e}") from None
+    except (ValueError, RecursionError):
+        raise ValueError("a tool call's arguments are JSON this server will not read "
+                         "(nested too deeply, or a number too long)") from None
     if not isinstance(value, dict):
         raise ValueError("a tool call's arguments must be a JSON object")
     return value
@@ -288,9 +308,18 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed block is a call if it holds a whole call (the output
-        stopped at its closing tag), content otherwise."""
+        stopped at its closing tag), content otherwise; one whose closing tag a quote that
+        never closed had hidden ends at that tag, and what follows is read again."""
         content: list[str] = []
         calls: list[ToolCall] = []
+        while self.in_block and CLOSE in self.pending and self.reader.call(self.pending) is None:
+            # a quote that never closed hid the block's closing tag: the block ends there
+            at = self.pending.index(CLOSE)
+            body, rest, self.pending = self.pending[:at], self.pending[at + len(CLOSE):], ""
+            self._close(body, True, content, calls)
+            more, found = self.feed(rest)
+            content.append(more)
+            calls += found
         if self.in_block:
             self._close(self.pending, False, content, calls)
         else:
@@ -389,7 +418,7 @@ class CallReader:
     def call(self, text: str) -> ToolCall | None:
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or JSON Python will not read
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
                 value["name"] not in self.names:
@@ -398,7 +427,7 @@ class CallReader:
         if not isinstance(arguments, dict):
             return None
         validator = self.validators.get(value["name"])
-        if validator is not None and not validator.is_valid(arguments):
+        if validator is not None and not _valid(validator, arguments):
             return None
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False),
                         f"call_{secrets.token_hex(12)}")

@@ -101,8 +101,9 @@ class ModelRunner:
     def score_prompts(self, logits: mx.array, batch: StepBatch
                       ) -> list[tuple[Request, list[TokenLogprob]]]:
         """Each scored request's records for the prompt tokens after this step's rows: the
-        next token's log-probability under the model's logits, with the ``k`` best (on the
-        device: only ``k + 1`` numbers a row come back)."""
+        next token's log-probability under the model's logits, with the ``k`` best (ties by
+        id among them; a tie at the k-th place keeps any of its tokens). Reduced on the
+        device: ``k + 1`` numbers a row come back."""
         if not batch.scored:
             return []
         rows = logits[sum(batch.num_logits):].astype(mx.float32)
