@@ -874,18 +874,25 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
     # auto: the model's own choice, parsed; a regex writes the calls the tiny model would not
     call = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone": "CET"\\}\\}\\n</tool_call>'
     forced = {"structured_outputs": {"regex": f"Let me check\\.\\n{call}\\n{call}"}}
-    for parallel, count in [(True, 2), (False, 1)]:
+    tagged = call.replace('"CET"', '"</tool_call>"')  # the closing tag inside a string
+    aborted, used = server.loop.num_aborted, []
+    for parallel, count, regex, zone in [(True, 2, forced, "CET"), (False, 1, forced, "CET"),
+                                         (False, 1, {"structured_outputs": {
+                                             "regex": f"{tagged}\\n{tagged}"}}, "</tool_call>")]:
         got = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
                                              parallel_tool_calls=parallel, max_tokens=100,
-                                             extra_body=forced)
-        assert got.choices[0].message.content == "Let me check.\n"
-        assert checked_auto(got.choices[0]) == [("get_time", {"zone": "CET"})] * count
+                                             extra_body=regex)
         with client.chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS,
                                             parallel_tool_calls=parallel, max_tokens=100,
-                                            extra_body=forced) as stream:
+                                            extra_body=regex) as stream:
             final = stream.get_final_completion()
-        assert final.choices[0].message.content == "Let me check.\n"
-        assert checked_auto(final.choices[0]) == [("get_time", {"zone": "CET"})] * count
+        for choice in (got.choices[0], final.choices[0]):
+            assert choice.message.content == ("Let me check.\n" if regex is forced else None)
+            assert checked_auto(choice) == [("get_time", {"zone": zone})] * count
+        used.append(got.usage.completion_tokens)
+    assert used[1] < used[0]  # one call allowed: generation stopped after it
+    assert server.loop.num_aborted == aborted  # a request stopped at its call: not a client
+    settled(server)
     strict = [t | {"function": t["function"] | {"strict": True}} for t in TOOLS]
     refused = {"structured_outputs": {"regex": call.replace('"CET"', "7")}}  # not a string
     as_text = client.chat.completions.create(model=MODEL, messages=messages, tools=strict,

@@ -48,6 +48,15 @@ def test_an_output_splits_into_content_and_calls():
     only_calls = OUTPUT[OUTPUT.index("<tool_call>"):]
     assert parse(f"\n\n{only_calls}\n", TOOLS)[0] == ""  # whitespace around calls is not content
     assert parse("  ", TOOLS)[0] == "  "  # but is, when there is no call
+    for pieces in ([OUTPUT + " and more"], [OUTPUT[:90], OUTPUT[90:] + " and more"]):
+        reader, content, calls = parser(TOOLS, "hermes", max_calls=1), "", []
+        for piece in pieces:  # the answer ends with its one call allowed
+            got, more = reader.feed(piece)
+            content, calls = content + got, calls + more
+        rest, more = reader.finish()
+        assert (content + rest, [c.name for c in calls + more]) == ("Let me look.\n",
+                                                                     ["get_weather"])
+        assert reader.done
     not_a_call = "<tool_call>oops</tool_call>"
     assert parse(f"{only_calls}\n{not_a_call}", TOOLS)[0] == f"\n{not_a_call}"
     assert calls[0].as_openai()["function"] == {"name": "get_weather",
@@ -137,7 +146,7 @@ def test_a_model_whose_format_is_unknown_is_refused_tools():
     with pytest.raises(APIError, match="tool-call format") as refused:
         parse_request(body, True, "m", None)
     assert refused.value.param == "tools" and refused.value.status == 400
-    assert parse_request(body | {"tools": []}, True, "m", None).tools is None
+    assert parse_request(body | {"tools": []}, True, "m", None).tool_use.tools is None
     parsed = parse_request(body | {"tool_choice": "required"}, True, "m", "json")
     assert json.loads(json.dumps(parsed.params.structured.json))["anyOf"][0]["required"] == [
         "name", "parameters"]

@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from tiny_llm import tool_calls
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
@@ -83,7 +83,7 @@ class EngineLoop:
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.num_aborted = 0  # requests whose client went away before their end
         self._admit = threading.Lock()  # the waiting-count check and the add, as one
-        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()
         self._failure: Exception | None = None  # set: end every request with it
         self._closed: Exception | None = None  # set: refuse every request with it
         self._wake = threading.Event()
@@ -136,11 +136,11 @@ class EngineLoop:
         self._wake.set()
         return request_id, samples
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request whose client went away, from any thread or coroutine, without
-        waiting: the engine thread aborts it before its next step (a no-op if it finished
-        meanwhile)."""
-        self._aborts.put(request_id)
+    def abort(self, request_id: str, client_left: bool = True) -> None:
+        """Abort a request whose client went away (or whose answer is complete), from any
+        thread or coroutine, without waiting: the engine thread aborts it before its next
+        step (a no-op if it finished meanwhile)."""
+        self._aborts.put((request_id, client_left))
         self._wake.set()
 
     def fail_all(self, error: Exception) -> None:
@@ -177,14 +177,14 @@ class EngineLoop:
     def _take_aborts(self) -> None:
         while True:
             try:
-                request_id = self._aborts.get_nowait()
+                request_id, client_left = self._aborts.get_nowait()
             except queue.Empty:
                 return
             try:
                 self.engine.abort(request_id)
             except ValueError:  # it finished meanwhile
                 continue
-            self.num_aborted += 1
+            self.num_aborted += client_left
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
         entry = self.queues.pop(request_id, None) if last else self.queues.get(request_id)
@@ -286,14 +286,22 @@ class Timeline:
 
 
 # ANCHOR: parse
+class ToolUse(NamedTuple):
+    """What a chat request's tools ask of it."""
+
+    tools: list[dict[str, Any]] | None  # offered in the prompt (none under tool_choice none)
+    parse: bool  # whether the output is read for calls
+    grammar: StructuredOutput | None  # a required or named call's, else the response format
+    max_calls: int | None  # 1 without parallel calls under auto: the output ends there
+
+
 @dataclass
 class ParsedRequest:
     prompt: Any  # text, token ids or chat messages: what engine.add_request takes
     params: SamplingParams
     stream: bool
     include_usage: bool
-    tools: list[dict[str, Any]] | None = None  # offered to the model (templated)
-    parse_tools: bool = False  # whether the output is read for tool calls
+    tool_use: ToolUse = ToolUse(None, False, None, None)  # what its tools ask of it
     grammar_param: str | None = None  # the field the output's grammar came from
 
 
@@ -377,8 +385,8 @@ def parse_request(body: Any, chat: bool, model_name: str,
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions
     fmt = structured_output(body)
-    tools, parse_tools, structured = tool_use(body, tool_format, fmt, options) if chat \
-        else (None, False, fmt)
+    use = tool_use(body, tool_format, fmt) if chat else ToolUse(None, False, fmt, None)
+    structured = use.grammar
     grammar_param = "tools" if structured is not fmt else next(
         (name for name in ("structured_outputs", "response_format") if body.get(name)), None)
     try:
@@ -395,7 +403,7 @@ def parse_request(body: Any, chat: bool, model_name: str,
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage", param="stream_options")
     return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")),
-                         tools, parse_tools, grammar_param)
+                         use, grammar_param)
 
 
 # ANCHOR: offered_tools
@@ -417,17 +425,11 @@ def offered_tools(body: dict) -> tuple[list[dict[str, Any]] | None, ToolChoice, 
     return tools, choice, parallel is not False
 
 
-def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None,
-             options: dict[str, Any]
-             ) -> tuple[list[dict[str, Any]] | None, bool, StructuredOutput | None]:
-    """What a chat request's tools ask for: the tools its prompt offers (none under
-    tool_choice none), whether its output is read for calls, and the grammar the output
-    follows: a required or named call's, else the response format ``fmt``. Under auto
-    without parallel calls, the output stops at the first call's end (a stop string added
-    to ``options``)."""
+def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None) -> ToolUse:
+    """What a chat request's tools ask of it, ``fmt`` its response format."""
     tools, choice, parallel = offered_tools(body)
     if choice.mode == "none":
-        return None, False, fmt
+        return ToolUse(None, False, fmt, None)
     if tool_format is None:
         raise APIError(400, "this model's chat template teaches a tool-call format this server "
                        "does not read (Hermes <tool_call> blocks or Llama's JSON object)",
@@ -438,12 +440,8 @@ def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None,
             raise APIError(400, "a required or named tool_choice constrains the output to "
                            "tool calls; it cannot also follow a response format",
                            param="tool_choice")
-        return tools, True, calls_only
-    if not parallel and tool_format == "hermes" and \
-            isinstance(options.get("stop", []), str | list):
-        stop = options.get("stop", [])
-        options["stop"] = [*([stop] if isinstance(stop, str) else stop), tool_calls.CLOSE]
-    return tools, True, fmt
+        return ToolUse(tools, True, calls_only, None)
+    return ToolUse(tools, True, fmt, None if parallel else 1)
 # ANCHOR_END: offered_tools
 
 
@@ -645,7 +643,7 @@ class Server:
         parsed = parse_request(body, chat, self.model_name, self.tool_format)
         # Templating and tokenizing take time that grows with the prompt: a worker thread.
         ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
-                                      parsed.params, parsed.tools)
+                                      parsed.params, parsed.tool_use.tools)
         num_prompt = len(ids)
         try:
             # the ids, not the prompt: the engine need not template and tokenize it again
@@ -735,9 +733,8 @@ class Server:
             parsed, request_id, samples, num_prompt = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
-        shape = (ChatShape(request_id, self.model_name, self.token_text,
-                           parsed.tools if parsed.parse_tools else None, self.tool_format)
-                 if chat
+        shape = (ChatShape(request_id, self.model_name, self.token_text, parsed.tool_use,
+                           self.tool_format) if chat
                  else CompletionShape(request_id, self.model_name, self.token_text))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
@@ -749,6 +746,8 @@ class Server:
             async for index, out in outs:
                 last[index] = out
                 texts[index].append(out.text_delta)
+                if not out.finished and shape.has_all_calls(index, out.text_delta):
+                    self.loop.abort(samples[index][0], client_left=False)
                 if await request.is_disconnected():
                     break
         except APIError as e:
@@ -776,6 +775,8 @@ class Server:
                         yield json.dumps(shape.chunk(index, out.text_delta, out.finish_reason,
                                                      records and records[sent[index]:]))
                         sent[index] = len(records or ())
+                    if not out.finished and shape.has_all_calls(index):
+                        self.loop.abort(samples[index][0], client_left=False)
                     if out.finished:
                         finals.append(out)
             if parsed.include_usage:
@@ -818,6 +819,11 @@ class CompletionShape:
     def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:
         return self.envelope(choices, usage=usage)
 
+    def has_all_calls(self, index: int, text: str | None = None) -> bool:
+        """Whether choice ``index`` holds the most tool calls allowed: a completion holds
+        none."""
+        return False
+
     def logprobs(self, records: list[TokenLogprob] | None,
                  index: int = 0) -> dict[str, Any] | None:
         """The legacy completions' shape: parallel lists, the alternatives as dicts."""
@@ -840,11 +846,28 @@ class ChatShape(CompletionShape):
     object = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, token_text: Callable[[int], str],
-                 tools: list[dict[str, Any]] | None = None, tool_format: str | None = None):
+                 tool_use: ToolUse | None = None, tool_format: str | None = None):
         super().__init__(request_id, model, token_text)
         self.id = f"chatcmpl-{request_id}"
-        self.tools, self.tool_format = tools, tool_format
-        self.parsers: dict[int, ToolCallParser | JsonToolCallParser] = {}  # per streamed choice
+        use = tool_use or ToolUse(None, False, None, None)
+        self.tools = use.tools if use.parse else None  # read for calls: None, not read
+        self.max_calls, self.tool_format = use.max_calls, tool_format
+        self.parsers: dict[int, ToolCallParser | JsonToolCallParser] = {}  # per choice
+
+    def parser(self, index: int) -> ToolCallParser | JsonToolCallParser:
+        if index not in self.parsers:
+            self.parsers[index] = tool_calls.parser(self.tools, self.tool_format,
+                                                    self.max_calls)
+        return self.parsers[index]
+
+    def has_all_calls(self, index: int, text: str | None = None) -> bool:
+        """Whether choice ``index`` holds the most calls allowed (its request may stop);
+        ``text``: its next text, for a choice that is not streamed."""
+        if self.tools is None or self.max_calls is None:
+            return False
+        if text is not None:
+            self.parser(index).feed(text)
+        return self.parser(index).done
 
     def first(self, index: int) -> dict[str, Any]:
         # with tools, the content may never come (only calls): null until it does
@@ -857,9 +880,7 @@ class ChatShape(CompletionShape):
         delta: dict[str, Any] = {}
         calls: list[ToolCall] = []
         if self.tools is not None:
-            if index not in self.parsers:
-                self.parsers[index] = tool_calls.parser(self.tools, self.tool_format)
-            parser = self.parsers[index]
+            parser = self.parser(index)
             first = parser.num_calls
             text, calls = parser.feed(text)
             if finish_reason is not None:
@@ -868,8 +889,8 @@ class ChatShape(CompletionShape):
             if calls:
                 delta["tool_calls"] = [{"index": first + k, **c.as_openai()}
                                        for k, c in enumerate(calls)]
-            if parser.num_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            if parser.num_calls and (finish_reason == "stop" or parser.done and finish_reason):
+                finish_reason = "tool_calls"  # stopped by the model, or once it had its call
         if text:
             delta = {"content": text, **delta}
         return self.envelope([{"index": index, "delta": delta,
@@ -880,11 +901,12 @@ class ChatShape(CompletionShape):
                records: list[TokenLogprob] | None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools is not None:
-            content, calls = tool_calls.parse(text, self.tools, self.tool_format)
+            content, calls = tool_calls.parse(text, self.tools, self.tool_format, self.max_calls)
             if calls:
                 message = {"role": "assistant", "content": content if content.strip() else None,
                            "tool_calls": [c.as_openai() for c in calls]}
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                if finish_reason == "stop" or len(calls) == self.max_calls:
+                    finish_reason = "tool_calls"
         return {"index": index, "message": message,
                 "logprobs": self.logprobs(records), "finish_reason": finish_reason}
 

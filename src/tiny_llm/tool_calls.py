@@ -274,21 +274,28 @@ class ToolCallParser:
     ``feed`` takes the next text and returns the content that is now certain and the calls
     that closed; ``finish`` returns what was held back. Fed whole or in any pieces, an
     output gives the same content and calls. Whitespace at the start and between calls
-    waits: it is content only if text, not a call, follows it."""
+    waits: it is content only if text, not a call, follows it. With ``max_calls``, the
+    output ends at that call's end (what follows is dropped: ``done``)."""
 
-    def __init__(self, tools: list[dict[str, Any]]):
+    def __init__(self, tools: list[dict[str, Any]], max_calls: int | None = None):
         self.reader = CallReader(tools)
+        self.max_calls = max_calls
         self.pending = ""  # text not yet looked at: a possible opening tag, or a block
         self.in_block = False
         self.gap = ""  # whitespace held since the start or the last call
         self.at_boundary = True  # nothing but that whitespace since the start or a call
         self.num_calls = 0
 
+    @property
+    def done(self) -> bool:
+        """Whether it holds the most calls allowed."""
+        return self.max_calls is not None and self.num_calls >= self.max_calls
+
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.pending += text
         content: list[str] = []
         calls: list[ToolCall] = []
-        while True:
+        while not self.done:
             if self.in_block:
                 end = _block_end(self.pending)
                 if end < 0:
@@ -304,6 +311,8 @@ class ToolCallParser:
                 self.pending = self.pending[len(before):]
                 break
             self.pending, self.in_block = self.pending[start + len(OPEN):], True
+        if self.done:
+            self.pending = ""
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -312,7 +321,8 @@ class ToolCallParser:
         never closed had hidden ends at that tag, and what follows is read again."""
         content: list[str] = []
         calls: list[ToolCall] = []
-        while self.in_block and CLOSE in self.pending and self.reader.call(self.pending) is None:
+        while self.in_block and CLOSE in self.pending and self.reader.call(self.pending) is None \
+                and not self.done:
             # a quote that never closed hid the block's closing tag: the block ends there
             at = self.pending.index(CLOSE)
             body, rest, self.pending = self.pending[:at], self.pending[at + len(CLOSE):], ""
@@ -320,7 +330,9 @@ class ToolCallParser:
             more, found = self.feed(rest)
             content.append(more)
             calls += found
-        if self.in_block:
+        if self.done:
+            pass  # what came after the last call allowed is not the answer's
+        elif self.in_block:
             self._close(self.pending, False, content, calls)
         else:
             self._text(self.pending, content)
@@ -360,6 +372,11 @@ class JsonToolCallParser:
         self.holding: bool | None = None  # undecided until the first character past the tag
         self.num_calls = 0
 
+    @property
+    def done(self) -> bool:
+        """Whether it holds its call (known only at the answer's end)."""
+        return self.num_calls > 0
+
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.holding is False:
             return text, []
@@ -386,16 +403,17 @@ class JsonToolCallParser:
         return "", [call]
 
 
-def parser(tools: list[dict[str, Any]], fmt: str = "hermes"
+def parser(tools: list[dict[str, Any]], fmt: str = "hermes", max_calls: int | None = None
            ) -> ToolCallParser | JsonToolCallParser:
-    """A streaming parser of calls in the format ``fmt`` (``format_of``)."""
-    return ToolCallParser(tools) if fmt == "hermes" else JsonToolCallParser(tools)
+    """A streaming parser of calls in the format ``fmt`` (``format_of``); Llama's format
+    holds one call in any case."""
+    return ToolCallParser(tools, max_calls) if fmt == "hermes" else JsonToolCallParser(tools)
 
 
-def parse(text: str, tools: list[dict[str, Any]], fmt: str = "hermes"
-          ) -> tuple[str, list[ToolCall]]:
+def parse(text: str, tools: list[dict[str, Any]], fmt: str = "hermes",
+          max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
     """A whole output's content and calls."""
-    reader = parser(tools, fmt)
+    reader = parser(tools, fmt, max_calls)
     content, calls = reader.feed(text)
     rest, more = reader.finish()
     return content + rest, calls + more
