@@ -292,3 +292,24 @@ def test_a_strict_tools_calls_are_calls_only_when_their_arguments_validate():
                         "JSON schema")]:
         with pytest.raises(ValueError, match=match):
             check_tools([{"type": "function", "function": {"name": "f", **bad}}])
+
+
+@pytest.mark.parametrize(("fmt", "text"), [("hermes", OUTPUT), ("json", LLAMA_CALL)])
+@pytest.mark.parametrize("max_calls", [None, 1])
+@pytest.mark.parametrize("reason", ["stop", "length", "abort"])
+def test_a_streamed_choice_ends_as_the_whole_one_does(fmt, text, max_calls, reason):
+    """The server's two shapes of one output: the same calls and the same finish reason
+    ("tool_calls" where the model stopped after its calls, or the server at the last call
+    allowed)."""
+    from tiny_llm.server import ChatShape, ToolUse
+
+    use = ToolUse(check_tools(TOOLS), True, None, max_calls)
+    whole = ChatShape("r", "m", str, use, fmt).choice(0, text, reason, None)
+    shape = ChatShape("r", "m", str, use, fmt)
+    chunks = [shape.chunk(0, text[:30], None, None)["choices"][0],
+              shape.chunk(0, text[30:], reason, None)["choices"][0]]
+    streamed = [c["function"]["name"] for chunk in chunks
+                for c in chunk["delta"].get("tool_calls", [])]
+    assert streamed == [c["function"]["name"] for c in whole["message"]["tool_calls"]]
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"] == (
+        "tool_calls" if reason == "stop" or max_calls else reason)

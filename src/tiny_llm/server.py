@@ -131,7 +131,7 @@ class EngineLoop:
                 raise
         if self._closed is not None:  # closed while this add waited: not served either
             for i in ids:
-                self.abort(i)
+                self.abort(i, client_left=False)
             raise self._closed
         self._wake.set()
         return request_id, samples
@@ -772,11 +772,12 @@ class Server:
                 async for index, out in outs:
                     if out.text_delta or out.finished:
                         records = out.outputs[0].logprobs
-                        yield json.dumps(shape.chunk(index, out.text_delta, out.finish_reason,
-                                                     records and records[sent[index]:]))
+                        chunk = shape.chunk(index, out.text_delta, out.finish_reason,
+                                            records and records[sent[index]:])
                         sent[index] = len(records or ())
-                    if not out.finished and shape.has_all_calls(index):
-                        self.loop.abort(samples[index][0], client_left=False)
+                        if not out.finished and shape.has_all_calls(index):  # before sending
+                            self.loop.abort(samples[index][0], client_left=False)
+                        yield json.dumps(chunk)
                     if out.finished:
                         finals.append(out)
             if parsed.include_usage:
@@ -860,6 +861,14 @@ class ChatShape(CompletionShape):
                                                     self.max_calls)
         return self.parsers[index]
 
+    def finish_reason(self, num_calls: int, reason: str | None) -> str | None:
+        """A choice's finish reason, with its calls: "tool_calls" where the model stopped
+        after them, or the server stopped it at the most calls allowed."""
+        if not num_calls or reason is None:
+            return reason
+        all_calls = self.max_calls is not None and num_calls >= self.max_calls
+        return "tool_calls" if reason == "stop" or all_calls else reason
+
     def has_all_calls(self, index: int, text: str | None = None) -> bool:
         """Whether choice ``index`` holds the most calls allowed (its request may stop);
         ``text``: its next text, for a choice that is not streamed."""
@@ -889,8 +898,7 @@ class ChatShape(CompletionShape):
             if calls:
                 delta["tool_calls"] = [{"index": first + k, **c.as_openai()}
                                        for k, c in enumerate(calls)]
-            if parser.num_calls and (finish_reason == "stop" or parser.done and finish_reason):
-                finish_reason = "tool_calls"  # stopped by the model, or once it had its call
+            finish_reason = self.finish_reason(parser.num_calls, finish_reason)
         if text:
             delta = {"content": text, **delta}
         return self.envelope([{"index": index, "delta": delta,
@@ -905,8 +913,7 @@ class ChatShape(CompletionShape):
             if calls:
                 message = {"role": "assistant", "content": content if content.strip() else None,
                            "tool_calls": [c.as_openai() for c in calls]}
-                if finish_reason == "stop" or len(calls) == self.max_calls:
-                    finish_reason = "tool_calls"
+                finish_reason = self.finish_reason(len(calls), finish_reason)
         return {"index": index, "message": message,
                 "logprobs": self.logprobs(records), "finish_reason": finish_reason}
 

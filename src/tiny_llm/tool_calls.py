@@ -366,16 +366,17 @@ class JsonToolCallParser:
     ``<|python_tag|>``, which Llama 3.1 may write first). An answer that begins with ``{``
     is held to its end; any other streams as content."""
 
-    def __init__(self, tools: list[dict[str, Any]]):
+    def __init__(self, tools: list[dict[str, Any]], max_calls: int | None = None):
         self.reader = CallReader(tools)
+        self.max_calls = max_calls
         self.pending = ""
         self.holding: bool | None = None  # undecided until the first character past the tag
         self.num_calls = 0
 
     @property
     def done(self) -> bool:
-        """Whether it holds its call (known only at the answer's end)."""
-        return self.num_calls > 0
+        """Whether it holds the most calls allowed (known only at the answer's end)."""
+        return self.max_calls is not None and self.num_calls >= self.max_calls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.holding is False:
@@ -407,7 +408,8 @@ def parser(tools: list[dict[str, Any]], fmt: str = "hermes", max_calls: int | No
            ) -> ToolCallParser | JsonToolCallParser:
     """A streaming parser of calls in the format ``fmt`` (``format_of``); Llama's format
     holds one call in any case."""
-    return ToolCallParser(tools, max_calls) if fmt == "hermes" else JsonToolCallParser(tools)
+    kind = ToolCallParser if fmt == "hermes" else JsonToolCallParser
+    return kind(tools, max_calls)
 
 
 def parse(text: str, tools: list[dict[str, Any]], fmt: str = "hermes",
