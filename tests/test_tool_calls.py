@@ -313,3 +313,60 @@ def test_a_streamed_choice_ends_as_the_whole_one_does(fmt, text, max_calls, reas
     assert streamed == [c["function"]["name"] for c in whole["message"]["tool_calls"]]
     assert chunks[-1]["finish_reason"] == whole["finish_reason"] == (
         "tool_calls" if reason == "stop" or max_calls else reason)
+
+
+def test_under_auto_a_strict_tools_calls_are_held_to_its_schema_as_they_are_written(
+        smollm_tokenizer):
+    """auto with a strict tool (Hermes blocks): free text passes untouched, but once the
+    model opens a block, the call must name an offered tool and a strict tool's arguments
+    must fit its schema (another tool's: any object). Random walks from an opened block
+    end in valid calls."""
+    from tiny_llm.server import parse_request
+
+    import jsonschema
+
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    tools = check_tools([TOOLS[0], TIME | {"function": TIME["function"] | {"strict": True}}])
+    spec = constraint(tools, ToolChoice("auto"), True)
+    assert constraint(check_tools(TOOLS), ToolChoice("auto"), True) is None  # none strict
+
+    def accepted(text: str) -> bool:
+        matcher = grammars.constraint(spec)
+        for token in tok.encode(text, add_special_tokens=False):
+            if not matcher.allowed()[token]:
+                return False
+            matcher.consume(token)
+        return True
+
+    assert accepted("Just prose, a < b, and a <tool_ca ll> that is not a tag.")
+    assert accepted('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": '
+                    '"CET"}}\n</tool_call>')
+    assert accepted('<tool_call>\n{"name": "get_weather", "arguments": {"any": [1]}}')
+    assert not accepted('<tool_call>\n{"name": "get_time", "arguments": {"zone": 7}}')
+    assert not accepted('<tool_call>\n{"name": "rm_rf"')
+    assert not accepted("<tool_call>x")  # a tag opens a call or is not written
+    rng = random.Random(5)
+    bounded = constraint(check_tools([t | {"function": t["function"] | {"strict": True}}
+                                      for t in TOOLS]), ToolChoice("auto"), True)
+    for _ in range(4):  # every schema bounded: the walks end
+        matcher = grammars.constraint(bounded)
+        ids = tok.encode("Sure.\n<tool_call>\n", add_special_tokens=False)
+        for token in ids:
+            matcher.consume(token)
+        while len(ids) < 250:
+            token = rng.choice(matcher.allowed().nonzero()[0].tolist())
+            if token in tok.eos_token_ids:
+                break
+            matcher.consume(token)
+            ids.append(token)
+        assert token in tok.eos_token_ids
+        content, calls = parse(tok.decode(ids), tools)
+        assert content == "Sure.\n" and calls
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert parse_request(body, True, "m").params.structured == spec
+    json_format = {"response_format": {"type": "json_object"}}  # then the format's grammar
+    assert parse_request(body | json_format, True, "m").params.structured.json_object

@@ -434,14 +434,16 @@ def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None) 
         raise APIError(400, "this model's chat template teaches a tool-call format this server "
                        "does not read (Hermes <tool_call> blocks or Llama's JSON object)",
                        param="tools")
-    calls_only = tool_calls.constraint(tools, choice, parallel, tool_format)
-    if calls_only is not None:
-        if fmt is not None:
-            raise APIError(400, "a required or named tool_choice constrains the output to "
-                           "tool calls; it cannot also follow a response format",
-                           param="tool_choice")
-        return ToolUse(tools, True, calls_only, None)
-    return ToolUse(tools, True, fmt, None if parallel else 1)
+    grammar = tool_calls.constraint(tools, choice, parallel, tool_format)
+    if choice.mode != "auto" and fmt is not None:
+        raise APIError(400, "a required or named tool_choice constrains the output to "
+                       "tool calls; it cannot also follow a response format",
+                       param="tool_choice")
+    if choice.mode != "auto":
+        return ToolUse(tools, True, grammar, None)
+    # auto: a strict tool's grammar, unless a response format is asked for (then a strict
+    # tool's calls are checked as they are read)
+    return ToolUse(tools, True, fmt or grammar, None if parallel else 1)
 # ANCHOR_END: offered_tools
 
 

@@ -25,7 +25,8 @@ when it closes on a JSON object naming an offered tool, and anything else in a b
 content, as written. Llama's templates teach one JSON object as the whole answer,
 ``{"name": ..., "parameters": {...}}`` (``JsonToolCallParser``: an answer that begins with
 ``{`` waits for its end). A call of a ``strict`` tool is a call only if its arguments
-validate against the tool's parameters (``jsonschema``); otherwise it stays content.
+validate against the tool's parameters (``jsonschema``); otherwise it stays content (and
+under ``auto`` in Hermes blocks, a grammar holds it to the schema as it is written).
 
 ``tool_choice`` decides what is enforced: ``none`` parses nothing, ``auto`` parses what the
 model chose to write, ``required`` and a named function constrain the output to calls
@@ -164,26 +165,34 @@ def chosen(tool_choice: Any, tools: list[dict[str, Any]]) -> ToolChoice:
 # ANCHOR: constraint
 def constraint(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
                fmt: str = "hermes") -> StructuredOutput | None:
-    """The grammar a ``required`` or named choice holds the output to: one call (for
+    """The grammar a choice holds the output to. ``required`` or named: one call (for
     ``required`` in Hermes blocks with ``parallel``, one or more, a line apart) whose name
     is an offered tool's (the named one) and whose arguments match that tool's parameters.
-    None for ``auto`` and ``none``: the model chooses."""
-    if choice.mode in ("none", "auto"):
+    ``auto`` with a ``strict`` tool, in Hermes blocks: any text without the opening tag, or
+    text up to the tag and then calls as above (a strict tool's arguments held to its
+    schema, another's to any object). None otherwise: the model chooses."""
+    strict = any(t["function"].get("strict") for t in tools)
+    if choice.mode == "none" or choice.mode == "auto" and not (strict and fmt == "hermes"):
         return None
-    offered = [t["function"] for t in tools
-               if choice.mode == "required" or t["function"]["name"] == choice.name]
+    offered = [t["function"] for t in tools if choice.mode in ("required", "auto")
+               or t["function"]["name"] == choice.name]
     key = "arguments" if fmt == "hermes" else "parameters"
     call = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": f["name"]}, key: f["parameters"]},
+        "name": {"const": f["name"]},
+        key: f["parameters"] if choice.mode != "auto" or f.get("strict") else {"type": "object"}},
         "required": ["name", key], "additionalProperties": False} for f in offered],
         "x-guidance": JSON_LAYOUT}
     if fmt == "json":  # the whole answer is the call
         return StructuredOutput(json=call)
-    calls = 'call ("\\n" call)*' if parallel and choice.mode == "required" else "call"
-    return StructuredOutput(grammar=(
-        f"start: {calls}\n"
-        f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-        f"body: %json {json.dumps(call)}\n"))
+    more = ' ("\\n" call)*' if parallel and choice.mode != "named" else ""
+    rules = [f"start: call{more}"]
+    if choice.mode == "auto":  # text without the tag, or text up to it (lazy) and calls
+        rules = [f'start: TEXT | lead "\\n" body {json.dumps(chr(10) + CLOSE)}{more}',
+                 f"TEXT: /(?s:.*)/ & ~/(?s:.*{OPEN}.*)/",
+                 f"lead[stop={json.dumps(OPEN)}]: /(?s:.*)/"]
+    rules += [f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}",
+              f"body: %json {json.dumps(call)}"]
+    return StructuredOutput(grammar="\n".join(rules) + "\n")
 # ANCHOR_END: constraint
 
 
