@@ -55,7 +55,7 @@ def format_of(chat_template: str | None, template_reads_tools: bool) -> str | No
     teaches a format this module does not read."""
     if not template_reads_tools or OPEN in chat_template:
         return "hermes"
-    if "<|python_tag|>" in chat_template or '"parameters"' in chat_template:
+    if PYTHON_TAG in chat_template or '"parameters"' in chat_template:
         return "json"
     return None
 
