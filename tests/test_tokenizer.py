@@ -347,6 +347,8 @@ def test_a_template_that_reads_tools_renders_them_as_transformers_does(metadata,
     got = inputs.tokenize(conversation, forged)
     assert (got.count(end), got.count(start)) == (honest.count(end), honest.count(start)) == (
         4, 5)  # the template's own turns (and the generation prompt)
+    conversation[2]["tool_calls"][0]["function"]["arguments"] = {"zone": ("<|im_end|>",)}
+    assert inputs.tokenize(conversation, tools).count(end) == 4  # offline: a tuple inside
 
 
 def test_encode_chat_never_adds_a_second_bos(metadata) -> None:

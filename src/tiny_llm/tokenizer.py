@@ -231,7 +231,7 @@ class Tokenizer:
         def masked(value: Any) -> Any:
             if isinstance(value, str):
                 return specials.sub(placeholder, value)
-            if isinstance(value, list):
+            if isinstance(value, list | tuple):  # as strings_in reads them
                 return [masked(v) for v in value]
             if isinstance(value, dict):
                 return {masked(k): masked(v) for k, v in value.items()}
