@@ -213,19 +213,25 @@ def decode_engine(model, tokenizer):
     return engine
 
 
+def addresses(arrays) -> list[int]:
+    """Where each array's buffer lies (numpy's view of it, dropped at once)."""
+    return [np.asarray(a).ctypes.data for a in arrays]
+
+
 def test_the_pools_are_written_in_place(smollm_tokenizer):
     from tiny_llm import cpu_fused
     from tiny_llm.extension import reference_extension
 
     engine = decode_engine(model_of("llama"), smollm_tokenizer)
     pool = engine.kv.pool
-    # Ids and copies only: a reference to a pool array would keep the op from writing it.
-    ids, copies = [id(a) for a in [*pool.k, *pool.v]], reference_extension().pool_copies()
+    # Addresses and copies only: a reference to a pool array would keep the op from
+    # writing it.
+    buffers, copies = addresses([*pool.k, *pool.v]), reference_extension().pool_copies()
     before, fused = [np.array(a) for a in [*pool.k, *pool.v]], cpu_fused.fused_layers_run
     engine.step()
     assert cpu_fused.fused_layers_run == fused + engine.model.config.num_hidden_layers
-    # The same arrays, one more row each, and no copy of a pool.
-    assert ids == [id(a) for a in [*pool.k, *pool.v]]
+    # The same buffers, one more row each, and no copy of a pool.
+    assert buffers == addresses([*pool.k, *pool.v])
     assert reference_extension().pool_copies() == copies
     for old, new in zip(before, [*pool.k, *pool.v], strict=True):
         changed = np.any(old != np.array(new), axis=-1).reshape(-1, old.shape[2]).any(axis=1)

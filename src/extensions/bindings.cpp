@@ -161,6 +161,11 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
       "donatable", [](const mx::array& a) { return a.is_donatable(); }, "a"_a,
       "Whether nothing but this array holds its buffer (MLX's is_donatable): no other array, "
       "view or graph node; an op may then write it in place.");
+  m.def(
+      "new_handle", [](const mx::array& a) { return a; }, "a"_a,
+      "The same array (its node and buffer, no copy) under a new Python object. Put in "
+      "place of the old object in a list, it leaves every other holder of the old object "
+      "with a handle of its own, which is_donatable then counts.");
   m.def("pool_copies", &tiny_llm::pool_copies,
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,

@@ -44,7 +44,6 @@ of fused ones; anything else, and every step with prefill rows, runs op by op.
 from __future__ import annotations
 
 import operator
-import sys
 from typing import Any, NamedTuple
 
 from tiny_llm.cpu_kernels import (
@@ -143,21 +142,14 @@ def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
 
 
 def _pools_held_by_pool_only(pool: Any) -> bool:
-    """Whether the decoder op may write every layer's pages in place: each pool array is
-    referenced only by the pool's lists (Python) and holds the only reference to its buffer
-    (MLX: no view, no graph node)."""
-    arrays = pool.k + pool.v  # each array in two lists: the pool's and this one
-    refs = [sys.getrefcount(a) for a in arrays]
+    """Whether the decoder op may write every layer's pages in place: nothing but the pool
+    holds each array (no other Python name, view or graph node). Each entry of the pool's
+    lists first becomes a new handle on the same array: whoever still holds the old Python
+    object then holds an MLX handle of their own, which MLX's is_donatable counts."""
     ext = reference_extension()
-    return all(r == _IN_ONE_LIST + 1 for r in refs) and all(map(ext.donatable, arrays))
-
-
-def _refs_of_an_object_in_one_list() -> int:
-    items = [object()]
-    return [sys.getrefcount(a) for a in items][0]  # as counted above, whatever the Python
-
-
-_IN_ONE_LIST = _refs_of_an_object_in_one_list()
+    for arrays in (pool.k, pool.v):
+        arrays[:] = [ext.new_handle(a) for a in arrays]
+    return all(map(ext.donatable, pool.k + pool.v))
 
 
 def _objects(block: nn.Module) -> list[Any]:
