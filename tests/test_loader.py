@@ -120,6 +120,25 @@ def test_on_a_gpu_the_default_gguf_stays_packed_in_bfloat16(gpu_decisions):
     assert {(m.bits, m.group_size) for m in modules.values()} == {(4, 32), (8, 32)}
 
 
+def test_on_a_gpu_a_gguf_read_as_float16_runs_in_bfloat16(gpu_decisions, monkeypatch):
+    """MLX reads the GGUF formats it cannot keep packed (the K-quants) as float16, and F16
+    files are written from bfloat16-trained models: a GGUF's float16 tensors say nothing
+    of the model's dtype, and float16 would overflow a bfloat16-trained model's
+    activations. The default file with every plain tensor in float16 stands for one."""
+    read = loader.read_gguf
+
+    def as_float16(path):
+        config, weights, tokenizer = read(path)
+        weights = {k: v if v.dtype == mx.uint32 or k.endswith((".scales", ".biases"))
+                   else v.astype(mx.float16) for k, v in weights.items()}
+        assert mx.float16 in {v.dtype for v in weights.values()}
+        return config, weights, tokenizer
+
+    monkeypatch.setattr(loader, "read_gguf", as_float16)
+    model, _ = loader.load()
+    assert float_dtypes(model) == {mx.bfloat16}
+
+
 @pytest.fixture(scope="module")
 def mlx_lm_run(smollm, mlx_lm_smollm):
     """mlx-lm's prompt logits, then a plain argmax loop over its own KV cache."""

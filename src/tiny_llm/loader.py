@@ -80,27 +80,29 @@ def load(
     requested = parse_dtype(dtype)
     dequantize = on_cpu() if dequantize is None else dequantize
     path = default_model_path() if model is None else resolve_model_path(model)
-    if path.suffix == ".gguf":
-        config, weights, tokenizer = read_gguf(path)
-    else:
-        config, weights, tokenizer = read_hf_folder(path)
-    dtype = model_dtype(requested, checkpoint_dtype(config, weights))
+    gguf = path.suffix == ".gguf"
+    config, weights, tokenizer = read_gguf(path) if gguf else read_hf_folder(path)
+    dtype = model_dtype(requested, checkpoint_dtype(config, weights, gguf))
     return build_model(config, weights, dtype=dtype, dequantize=dequantize, shard=shard), tokenizer
 # ANCHOR_END: load
 
 
 # ANCHOR: model_dtype
-def checkpoint_dtype(config: ModelConfig, weights: dict[str, mx.array]) -> mx.Dtype:
+def checkpoint_dtype(config: ModelConfig, weights: dict[str, mx.array], gguf: bool = False
+                     ) -> mx.Dtype:
     """The dtype a checkpoint was trained in, as far as it says: config.json's
     ``torch_dtype`` (or ``dtype``); else its unquantized tensors' half dtype, bfloat16 before
     float16; else float32. Quantization scales say nothing (GGUF's formats store them in
-    float16 whatever the model was trained in), so a GGUF whose plain tensors are float32
-    counts as float32."""
+    float16 whatever the model was trained in), and neither do a GGUF's float16 tensors:
+    MLX reads the formats it cannot keep packed (the K-quants) as float16, and F16 files
+    are written from bfloat16-trained models too. So a GGUF counts as bfloat16 if it stores
+    bfloat16, else as float32."""
     declared = config.extra.get("torch_dtype") or config.extra.get("dtype")
     if declared in DTYPES:
         return DTYPES[declared]
     plain = {w.dtype for name, w in weights.items() if not name.endswith((".scales", ".biases"))}
-    return next((d for d in (mx.bfloat16, mx.float16) if d in plain), mx.float32)
+    halves = (mx.bfloat16,) if gguf else (mx.bfloat16, mx.float16)
+    return next((d for d in halves if d in plain), mx.float32)
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
