@@ -357,6 +357,23 @@ def test_a_fraction_of_memory_sizes_the_pool(tiny_model, smollm_tokenizer):
     assert abs(engine.stats()["num_pages"] - expected) <= 0.05 * expected + 1
 
 
+def test_on_apple_silicon_the_pool_comes_from_the_working_set_less_the_model(monkeypatch):
+    """The GPU's working set is a fixed size: the weights already in it are not the
+    pool's (on Linux the OS's available memory has counted them)."""
+    from tiny_llm.day3_paged_kv import available_memory
+
+    import mlx.core as mx
+
+    weights = mx.zeros((16, 1024, 1024))  # 64 MiB that MLX holds, as a model's weights do
+    mx.eval(weights)
+    working_set = 8 << 30
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "device_info",
+                        lambda: {"max_recommended_working_set_size": working_set})
+    assert available_memory() == working_set - mx.get_active_memory()
+    assert available_memory() <= working_set - weights.nbytes
+
+
 # ---------------------------------------------------------------------------------------
 # 6. Text is checked at the door.
 

@@ -540,10 +540,12 @@ def kv_bytes_per_token(config, dtype: mx.Dtype) -> int:
 
 
 def available_memory() -> int:
-    """Bytes the pool may come from: the GPU's working set on Apple silicon, else the
-    memory the OS reports available (physical memory where it reports none)."""
+    """Bytes the pool may come from: on Apple silicon the GPU's recommended working set less
+    what MLX already holds (the model's weights), else the memory the OS reports available
+    once the model is loaded (physical memory where it reports none)."""
     if mx.default_device() == mx.gpu:
-        return int(mx.metal.device_info()["max_recommended_working_set_size"])
+        working_set = int(mx.device_info()["max_recommended_working_set_size"])
+        return max(0, working_set - mx.get_active_memory())
     if sys.platform.startswith("linux"):
         with open("/proc/meminfo") as f:
             for line in f:
