@@ -32,6 +32,8 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");  // a hint to the core, not a system call
 #else
   std::this_thread::yield();
 #endif
