@@ -446,6 +446,31 @@ def test_penalties_and_biases_as_vllm_defines_them():
         SamplingParams(max_tokens=2, min_tokens=3)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("penalty", [1e-38, 1e-50, 5e-324])
+def test_a_penalty_near_zero_keeps_the_row_finite(temperature, penalty):
+    """Dividing a positive logit by a repetition penalty near 0 overflows float32 (and such a
+    penalty rounds to 0 in float32): the row keeps the highest finite value instead, so the
+    tokens it favours stay the likeliest and every probability and logprob is a number (a
+    NaN would fail the server's JSON). A masked end token stays masked."""
+    row = np.array([2.0, 1.0, -1.0, 3.0, 0.5], np.float32)
+    history = TokenHistory(prompt_token_ids=[0, 1, 2, 4], output_token_ids=[],
+                           end_token_ids={4})
+    p = SamplingParams(temperature=temperature, seed=0, repetition_penalty=penalty,
+                       logprobs=3, min_tokens=1)
+    penalized = penalize(row, p, history)
+    assert np.isfinite(penalized[:4]).all() and min(penalized[:2]) > penalized[3]
+    assert penalized[2] <= 0 and penalized[4] == -np.inf
+    sampler = RequestSampler(p, history)
+    (token,) = sample_next_tokens(mx.array(row[None]), [sampler])
+    assert token in (0, 1)  # the two seen tokens, both at float32's highest value
+    (record,) = sampler.logprobs
+    assert all(math.isfinite(lp) for lp in [record.logprob, *(lp for _, lp in record.top)])
+    assert {t for t, _ in record.top[:2]} == {0, 1}
+    _, probs = filter_logits(penalized, p)
+    assert np.all(np.isfinite(probs))
+
+
 def test_a_penalized_request_gets_its_tokens_alone_and_batched(tiny_model, smollm_tokenizer):
     """Penalties read only the request's own tokens: greedy and seeded sampled requests with
     penalties get the same tokens in a batch as served alone."""

@@ -120,6 +120,7 @@ def _logit_bias(value: object) -> dict[int, float]:
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # alternatives a token's record may list (OpenAI's top_logprobs limit)
+FLOAT32_MAX = np.finfo(np.float32).max  # the highest logit a row keeps (inf: NaN softmax)
 MAX_SAMPLES = 128  # samples of one prompt (OpenAI's limit on n)
 
 
@@ -301,8 +302,12 @@ def penalize(row: np.ndarray, p: SamplingParams, history: TokenHistory) -> np.nd
         seen = np.unique(np.array([*history.prompt_token_ids, *history.output_token_ids],
                                   dtype=np.int64))
         seen = seen[seen < len(row)]
-        rp = np.float32(p.repetition_penalty)
-        row[seen] = np.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
+        # In float64, then at most float32's highest value: a penalty near 0 would round to
+        # 0 in float32 or overflow a positive logit to inf (and the softmax to NaN).
+        x, rp = row[seen].astype(np.float64), p.repetition_penalty
+        with np.errstate(over="ignore"):
+            x = np.where(x > 0, x / rp, x * rp)
+        row[seen] = np.minimum(x, FLOAT32_MAX)
     if p.frequency_penalty or p.presence_penalty:
         counts = np.bincount(np.array(history.output_token_ids, dtype=np.int64),
                              minlength=len(row))[: len(row)]
@@ -325,8 +330,9 @@ class _Filters(NamedTuple):
 
 
 def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
-    """float32 logits divided by the temperature, kept in float32."""
-    return row / np.float32(temperature)
+    """float32 logits divided by the temperature, kept in float32 and finite above."""
+    with np.errstate(over="ignore"):
+        return np.minimum(row / np.float32(temperature), FLOAT32_MAX)
 
 
 def _logsumexp(x: np.ndarray, top: float) -> float:
