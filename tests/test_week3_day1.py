@@ -312,6 +312,33 @@ def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
     assert released == "ok " and req.output_text == "ok " and req.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("pieces,stop,min_tokens,want", [
+    (["a,", "b", ",c", "d"], [","], 2, "a,b"),  # the first comma is in the first two tokens
+    (["a,", "b", ",c", "d"], [","], 0, "a"),
+    (["ab", "c", "d", "be"], ["b", "xyz"], 2, "abcd"),  # a "b" held back, not yet searched
+    (["ab", "c", "d", "e"], ["cd", "xyz"], 2, "ab"),  # begins in the first two, ends after
+])
+def test_min_tokens_holds_stop_strings_back_as_it_holds_end_tokens(pieces, stop, min_tokens,
+                                                                    want):
+    """vLLM's rule: a stop string ends the output only in a token after the first
+    min_tokens (one that starts earlier and ends there counts)."""
+    from tiny_llm.request import Request
+
+    class Pieces:  # a detokenizer whose token i is pieces[i]
+        def add(self, token: int) -> str:
+            return pieces[token]
+
+        def flush(self) -> str:
+            return ""
+
+    req = Request([1, 2], SamplingParams(stop=stop, min_tokens=min_tokens), Pieces(), set(), 64)
+    for token in range(len(pieces)):
+        req.append_token(token)
+        if req.is_finished:
+            break
+    assert (req.output_text, req.finish_reason) == (want, "stop")
+
+
 @pytest.mark.task("1.7")
 @pytest.mark.parametrize("seed", range(20))
 def test_step_arithmetic_equals_the_scheduler(seed):

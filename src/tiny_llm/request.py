@@ -104,6 +104,7 @@ class Request:
         self._text = ""  # detokenized output, stop strings not yet ruled out at its end
         self._released = 0  # chars of _text already handed to the caller
         self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)
+        self._stops_end_after = 0  # a stop string counts if it ends past this (min_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -159,7 +160,9 @@ class Request:
         if token in self.eos_token_ids or token in self.stop_token_ids:
             return self.finish("stop")
         self._text += self.detokenizer.add(token)
-        if self._max_stop_len and self._truncate_at_stop_string():
+        if not self._past_min_tokens():
+            self._stops_end_after = len(self._text)
+        elif self._max_stop_len and self._truncate_at_stop_string():
             return self.finish("stop", flush=False)
         max_tokens = self.params.max_tokens
         if max_tokens is not None and len(self.output_token_ids) >= max_tokens:
@@ -176,14 +179,24 @@ class Request:
         if flush:
             self._text += self.detokenizer.flush()
             # The flushed tail (bytes held back mid-character) may complete a stop string.
-            if self._max_stop_len and self._truncate_at_stop_string() and reason != "abort":
+            if (self._max_stop_len and self._past_min_tokens() and reason != "abort"
+                    and self._truncate_at_stop_string()):
                 self.finish_reason = "stop"
         return self._release(len(self._text))
 
+    def _past_min_tokens(self) -> bool:
+        # As the end tokens are masked for the first min_tokens tokens, a stop string ends
+        # the output only in a later token (one that starts earlier and ends there counts).
+        return len(self.output_token_ids) > self.params.min_tokens
+
     def _truncate_at_stop_string(self) -> bool:
         # Released text is followed by at least max_stop_len - 1 held-back chars that were
-        # already searched, so a new match can only start at or after the release point.
-        hits = [i for s in self.params.stop for i in [self._text.find(s, self._released)] if i >= 0]
+        # already searched, so a new match can only start at or after the release point;
+        # and it must end past the text of the first min_tokens tokens.
+        def start(stop: str) -> int:
+            return max(self._released, self._stops_end_after + 1 - len(stop))
+
+        hits = [i for s in self.params.stop for i in [self._text.find(s, start(s))] if i >= 0]
         if not hits:
             return False
         self._text = self._text[: min(hits)]
