@@ -479,6 +479,42 @@ def test_every_field_is_honoured_or_refused_never_ignored(served, client):
     settled(server)
 
 
+def test_a_bad_value_is_refused_naming_its_field(served):
+    """Every 400 for a value names the field (``param``), the sampling parameters' too;
+    booleans are booleans (1 is not true), and stream_options needs stream: true."""
+    url, server = served
+    chat = f"{url}/v1/chat/completions"
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for fields, param in [({"temperature": -1}, "temperature"), ({"seed": "x"}, "seed"),
+                          ({"max_tokens": 0}, "max_tokens"), ({"top_p": 2}, "top_p"),
+                          ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                          ({"min_tokens": 3}, "min_tokens"), ({"logprobs": 1}, "logprobs"),
+                          ({"user": 5}, "user"),
+                          ({"stream_options": {"include_usage": True}}, "stream_options"),
+                          ({"stream": True, "stream_options": {"include_usage": "no"}},
+                           "stream_options")]:
+        status, text = http(chat, base | fields)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (fields, text)
+    status, _ = http(chat, base | {"user": "me", "stream_options": None, "logprobs": False})
+    assert status == 200
+    settled(server)
+
+
+def test_the_model_is_retrieved_and_unknown_routes_answer_as_openai_does(served, client):
+    url, server = served
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(listed.id).id == listed.id
+    for path, method, status in [("/v1/models/no-such-model", "GET", 404),
+                                 ("/v1/nothing", "GET", 404),
+                                 ("/v1/chat/completions", "GET", 405)]:
+        request = urllib.request.Request(url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request)
+        assert e.value.code == status
+        assert set(json.loads(e.value.read())["error"]) == {"message", "type", "param", "code"}
+    settled(server)
+
+
 def test_logprobs_as_the_openai_client_reads_them(served, client):
     url, server = served
     engine = server.engine

@@ -66,8 +66,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _invalid(field: str, requirement: str, value: object) -> ValueError:
-    return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
+class InvalidParam(ValueError):
+    """A sampling parameter out of its range, naming it (``field``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _invalid(field: str, requirement: str, value: object) -> InvalidParam:
+    return InvalidParam(field, f"SamplingParams.{field} must be {requirement}, got {value!r}")
 
 
 def _real(field: str, value: object, ok: Callable[[float], bool], requirement: str) -> float:

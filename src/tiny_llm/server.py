@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP server on the engine: ``tiny-llm serve``.
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
-server-sent events or not), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
-(Prometheus text). Starlette routes, uvicorn serves, sse-starlette streams.
+server-sent events or not), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` and
+``GET /metrics`` (Prometheus text). Starlette routes, uvicorn serves, sse-starlette streams.
 
 One thread drives the engine (``EngineLoop``): it calls ``engine.step()`` while requests
 are unfinished and sleeps otherwise. HTTP handlers run on the event loop and never hold
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 from tiny_llm import tool_calls
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.request import RequestOutput
-from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
+from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams, TokenLogprob
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
 from tiny_llm.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
@@ -392,18 +392,35 @@ def parse_request(body: Any, chat: bool, model_name: str,
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
                                 structured=structured, n=n, **options)
+    except InvalidParam as e:
+        field = e.field
+        if field == "max_tokens" and body.get("max_completion_tokens") is not None:
+            field = "max_completion_tokens"
+        raise APIError(400, str(e), param=field) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
+    if not isinstance(body.get("user", ""), str):
+        raise APIError(400, "user must be a string", param="user")
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict) or not set(stream_options) <= {"include_usage"}:
+    return ParsedRequest(prompt, params, stream, include_usage(body, stream), use, grammar_param)
+
+
+def include_usage(body: dict, stream: bool) -> bool:
+    """``stream_options.include_usage``: a boolean, and only for a streamed request."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    if not isinstance(options, dict) or not set(options) <= {"include_usage"} or not \
+            isinstance(options.get("include_usage", False), bool):
         raise APIError(400, "stream_options must be an object whose only field is "
-                       "include_usage", param="stream_options")
-    return ParsedRequest(prompt, params, stream, bool(stream_options.get("include_usage")),
-                         use, grammar_param)
+                       "include_usage, a boolean", param="stream_options")
+    return options.get("include_usage", False)
 
 
 # ANCHOR: offered_tools
@@ -496,7 +513,7 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
                            param="logprobs")
         return k
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
-    if wanted not in (None, True, False):
+    if wanted is not None and not isinstance(wanted, bool):
         raise APIError(400, "logprobs must be a boolean", param="logprobs")
     if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
         raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
@@ -997,10 +1014,24 @@ def build_app(server: Server):
     async def completions(request):
         return await server.complete(request, chat=False)
 
+    card = {"id": server.model_name, "object": "model", "created": server.created,
+            "owned_by": "tiny-llm", "max_model_len": server.engine.max_model_len}
+
     async def models(request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": server.created,
-             "owned_by": "tiny-llm", "max_model_len": server.engine.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request):
+        name = request.path_params["model"]
+        if name != server.model_name:
+            return error_response(APIError(404, f"the model {name!r} does not exist; this "
+                                           f"server serves {server.model_name!r}",
+                                           param="model", code="model_not_found"))
+        return JSONResponse(card)
+
+    async def no_route(request, exc):  # unknown paths and methods: OpenAI's error shape too
+        message = (f"no route {request.url.path}" if exc.status_code == 404
+                   else f"{request.method} is not allowed on {request.url.path}")
+        return error_response(APIError(exc.status_code, message))
 
     async def health(request):
         if not server.loop.alive:
@@ -1026,9 +1057,10 @@ def build_app(server: Server):
         Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
         Route("/v1/completions", guarded(completions, True), methods=["POST"]),
         Route("/v1/models", guarded(models, True)),
+        Route("/v1/models/{model:path}", guarded(model, True)),
         Route("/health", guarded(health, False)),
         Route("/metrics", guarded(metrics, False)),
-    ], lifespan=lifespan)
+    ], exception_handlers={404: no_route, 405: no_route}, lifespan=lifespan)
 
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
