@@ -499,6 +499,24 @@ def test_a_penalized_request_gets_its_tokens_alone_and_batched(tiny_model, smoll
     assert len(batched[4]) == 12 and first not in batched[4]
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(tiny_model, smollm_tokenizer):
+    """As vLLM's default: an end token the request goes past (ignore_eos) is in the token
+    ids, not in the text; skip_special_tokens=False keeps its spelling."""
+    from tiny_llm.engine import LLMEngine
+
+    eos = min(smollm_tokenizer.eos_token_ids)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, num_pages=32)
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100})
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    skipped = engine.generate(prompt, SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    kept = engine.generate(prompt, SamplingParams(**forced, skip_special_tokens=False),
+                           use_tqdm=False)[0].outputs[0]
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == smollm_tokenizer.decode([eos]) * 3 != ""
+    with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
+        SamplingParams(skip_special_tokens=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Logprobs
 

@@ -152,6 +152,22 @@ def test_a_model_whose_format_is_unknown_is_refused_tools():
         "name", "parameters"]
 
 
+def test_a_request_read_for_calls_keeps_special_tokens_in_its_text():
+    """A format's tags may be special tokens (Llama's <|python_tag|>): the parser must see
+    them, so a request whose output is read for calls keeps them unless it says otherwise."""
+    from tiny_llm.server import parse_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(body, True, "m").params.skip_special_tokens
+    assert parse_request(body | {"tools": TOOLS, "tool_choice": "none"}, True,
+                         "m").params.skip_special_tokens
+    for fmt in ("hermes", "json"):
+        read = parse_request(body | {"tools": TOOLS}, True, "m", fmt)
+        assert read.tool_use.parse and not read.params.skip_special_tokens
+    asked = body | {"tools": TOOLS, "skip_special_tokens": True}
+    assert parse_request(asked, True, "m").params.skip_special_tokens
+
+
 def test_content_streams_while_only_a_possible_tag_waits():
     parser = ToolCallParser(TOOLS)
     assert parser.feed("Hello <tool") == ("Hello ", [])

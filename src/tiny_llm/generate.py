@@ -32,8 +32,8 @@ def stream_generate(
     constraint = None  # a structured output's matcher, as the engine gives one
     if params.structured is not None:
         constraint = Grammars(tokenizer, model.config.vocab_size).constraint(params.structured)
-    req = Request(prompt_token_ids, params, tokenizer.detokenizer(), tokenizer.eos_token_ids,
-                  max_model_len, constraint=constraint)
+    req = Request(prompt_token_ids, params, tokenizer.detokenizer(params.skip_special_tokens),
+                  tokenizer.eos_token_ids, max_model_len, constraint=constraint)
     cache = DenseKVCache(model.config.num_hidden_layers)
     start = 0  # tokens whose K/V is in the cache
     while not req.is_finished:

@@ -144,6 +144,9 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # The special tokens' text (<|im_end|>) left out of the output text, as vLLM's default;
+    # their ids stay in the output's token ids.
+    skip_special_tokens: bool = True
     seed: int | None = None
     # Penalties and biases (``penalize``): on the output so far, as vLLM and OpenAI define
     # them; repetition_penalty also counts the prompt.
@@ -175,8 +178,9 @@ class SamplingParams:
         self.seed = _optional_int("seed", self.seed, 0)
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_ids(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise _invalid("ignore_eos", "a bool", self.ignore_eos)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, "a bool", getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _real(name, getattr(self, name), lambda v: -2.0 <= v <= 2.0,
                                       "a number in [-2, 2]"))

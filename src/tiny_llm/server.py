@@ -312,7 +312,7 @@ class ParsedRequest:
 # OpenAI's, then vLLM's beyond them.
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "logit_bias", "top_k", "min_p", "stop_token_ids",
-                   "ignore_eos", "repetition_penalty", "min_tokens")
+                   "ignore_eos", "repetition_penalty", "min_tokens", "skip_special_tokens")
 HONOURED = {
     "chat": {"model", "n", "max_tokens", "max_completion_tokens", "stream", "stream_options",
              "messages", "logprobs", "top_logprobs", "response_format", "structured_outputs",
@@ -386,6 +386,8 @@ def parse_request(body: Any, chat: bool, model_name: str,
         max_tokens = 16  # OpenAI's default for completions
     fmt = structured_output(body)
     use = tool_use(body, tool_format, fmt) if chat else ToolUse(None, False, fmt, None)
+    if use.parse:  # a format's tags may be special tokens (Llama's <|python_tag|>): kept
+        options.setdefault("skip_special_tokens", False)
     structured = use.grammar
     grammar_param = "tools" if structured is not fmt else next(
         (name for name in ("structured_outputs", "response_format") if body.get(name)), None)

@@ -54,7 +54,7 @@ class InputProcessor:
         constraint = None
         if params.structured is not None:  # compiled here, off the engine's steps
             constraint = self.grammars.constraint(params.structured)
-        return Request(token_ids, params, self.tokenizer.detokenizer(),
+        return Request(token_ids, params, self.tokenizer.detokenizer(params.skip_special_tokens),
                        self.tokenizer.eos_token_ids, self.max_model_len, request_id, text,
                        constraint)
 
