@@ -331,6 +331,32 @@ def test_a_streamed_choice_ends_as_the_whole_one_does(fmt, text, max_calls, reas
         "tool_calls" if reason == "stop" or max_calls else reason)
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "json"])
+def test_a_call_cut_off_under_a_required_choice_is_not_content(fmt):
+    """Under tool_choice required (or named) the grammar writes calls only: a call that
+    max_tokens cut off is dropped, not returned as markup in the content, streamed or
+    whole; the finish reason says the output was cut."""
+    from tiny_llm.server import ChatShape, ToolUse
+
+    if fmt == "hermes":
+        done = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+        text = done + '\n<tool_call>{"name": "get_time", "argu'
+    else:
+        text = LLAMA_CALL[:-6]  # the output is one object: cut, no call at all
+    use = ToolUse(check_tools(TOOLS), True, None, None, calls_only=True)
+    whole = ChatShape("r", "m", str, use, fmt).choice(0, text, "length", None)
+    assert whole["message"]["content"] is None and whole["finish_reason"] == "length"
+    shape = ChatShape("r", "m", str, use, fmt)
+    deltas = [shape.chunk(0, text[:40], None, None)["choices"][0]["delta"],
+              shape.chunk(0, text[40:], "length", None)["choices"][0]["delta"]]
+    assert not any("content" in d for d in deltas)
+    calls = len(whole["message"].get("tool_calls", []))
+    assert calls == (1 if fmt == "hermes" else 0)
+    assert sum(len(d.get("tool_calls", [])) for d in deltas) == calls
+    unconstrained = ChatShape("r", "m", str, use._replace(calls_only=False), fmt)
+    assert unconstrained.choice(0, text, "length", None)["message"]["content"]  # auto: text
+
+
 def test_under_auto_a_strict_tools_calls_are_held_to_its_schema_as_they_are_written(
         smollm_tokenizer):
     """auto with a strict tool (Hermes blocks): free text passes untouched, but once the

@@ -293,6 +293,7 @@ class ToolUse(NamedTuple):
     parse: bool  # whether the output is read for calls
     grammar: StructuredOutput | None  # a required or named call's, else the response format
     max_calls: int | None  # 1 without parallel calls under auto: the output ends there
+    calls_only: bool = False  # required or named: the grammar writes nothing but calls
 
 
 @dataclass
@@ -459,7 +460,7 @@ def tool_use(body: dict, tool_format: str | None, fmt: StructuredOutput | None) 
                        "tool calls; it cannot also follow a response format",
                        param="tool_choice")
     if choice.mode != "auto":
-        return ToolUse(tools, True, grammar, None)
+        return ToolUse(tools, True, grammar, None, calls_only=True)
     # auto: a strict tool's grammar, unless a response format is asked for (then a strict
     # tool's calls are checked as they are read)
     return ToolUse(tools, True, fmt or grammar, None if parallel else 1)
@@ -874,6 +875,8 @@ class ChatShape(CompletionShape):
         use = tool_use or ToolUse(None, False, None, None)
         self.tools = use.tools if use.parse else None  # read for calls: None, not read
         self.max_calls, self.tool_format = use.max_calls, tool_format
+        # a call cut off by max_tokens is not content where the output is calls only
+        self.calls_only = use.parse and use.calls_only
         self.parsers: dict[int, ToolCallParser | JsonToolCallParser] = {}  # per choice
 
     def parser(self, index: int) -> ToolCallParser | JsonToolCallParser:
@@ -916,6 +919,8 @@ class ChatShape(CompletionShape):
             if finish_reason is not None:
                 rest, more = parser.finish()
                 text, calls = text + rest, calls + more
+            if self.calls_only:
+                text = ""
             if calls:
                 delta["tool_calls"] = [{"index": first + k, **c.as_openai()}
                                        for k, c in enumerate(calls)]
@@ -931,6 +936,8 @@ class ChatShape(CompletionShape):
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tools is not None:
             content, calls = tool_calls.parse(text, self.tools, self.tool_format, self.max_calls)
+            if self.calls_only:
+                message["content"], content = None, ""
             if calls:
                 message = {"role": "assistant", "content": content if content.strip() else None,
                            "tool_calls": [c.as_openai() for c in calls]}
