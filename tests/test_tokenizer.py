@@ -409,6 +409,24 @@ def test_stream_decodes_a_bounded_window(tok: Tokenizer) -> None:
     assert max(windows) <= 8
 
 
+def test_stream_skips_special_tokens_without_growing_its_window(tok: Tokenizer) -> None:
+    """Skipped special tokens (a model going past its end token) add no text and never
+    enter the window: a run of them costs no more than ordinary text."""
+    windows: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        windows.append(len(ids))
+        return tok.decode(ids)
+
+    special = min(tok.special_token_ids)
+    ids = [special] * 2000 + tok.encode("Héllo 🙂", add_special_tokens=False) + [special] * 50
+    detok = IncrementalDetokenizer(decode, tok.special_token_ids)
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids, skip_special_tokens=True) == "Héllo 🙂"
+    assert max(windows) <= 8
+    assert tok.detokenizer(skip_special_tokens=False).add(special) == tok.decode([special]) != ""
+
+
 # --- Hugging Face folders ---------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -264,8 +264,15 @@ class Tokenizer:
             self._specials = re.compile("|".join(map(re.escape, texts))) if texts else False
         return self._specials or None
 
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode(..., skip_special_tokens=True)`` leaves out."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items()
+                         if t.special)
+
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(partial(self.decode, skip_special_tokens=skip_special_tokens))
+        skipped = self.special_token_ids if skip_special_tokens else frozenset()
+        return IncrementalDetokenizer(self.decode, skipped)
 
     def _token_string(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
@@ -280,17 +287,22 @@ class IncrementalDetokenizer:
     window's text ends in U+FFFD, its last character may be incomplete (an emoji split over byte
     tokens), so nothing is emitted; once it ends cleanly, the new text is emitted and the window
     slides forward. The window grows only while text keeps ending mid-character, so a step costs
-    O(1) on real text, not O(length of the stream).
+    O(1) on real text, not O(length of the stream). The ids in ``skipped`` (the special
+    tokens, unless the request keeps their text) never enter the window: they add no text.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str],
+                 skipped: frozenset[int] = frozenset()) -> None:
         self._decode = decode
+        self._skipped = skipped
         self._window: list[int] = []
         self._pending_from = 0  # window[:pending_from] is the already emitted context
         self._context_chars = 0  # len(decode(window[:pending_from]))
         self.text = ""
 
     def add(self, token_id: int) -> str:
+        if token_id in self._skipped:
+            return ""
         self._window.append(token_id)
         decoded = self._decode(self._window)
         if decoded.endswith(_REPLACEMENT_CHAR) or len(decoded) <= self._context_chars:
