@@ -471,6 +471,22 @@ def test_a_penalty_near_zero_keeps_the_row_finite(temperature, penalty):
     assert np.all(np.isfinite(probs))
 
 
+@pytest.mark.parametrize("penalty", [1e39, 1.7e308])
+def test_a_huge_penalty_on_a_row_of_seen_negative_logits_keeps_it_finite(penalty):
+    """Multiplying negative logits by a huge repetition penalty overflows float32 to -inf;
+    were every token seen, the row would be all -inf and its softmax NaN. They stay at
+    float32's lowest value instead, and the masked end token at -inf."""
+    row = np.array([-2.0, -1.0, -3.0, -0.5, 1.0], np.float32)
+    history = TokenHistory(prompt_token_ids=[0, 1, 2, 3, 4], output_token_ids=[],
+                           end_token_ids={4})
+    p = SamplingParams(temperature=0, repetition_penalty=penalty, logprobs=1, min_tokens=1)
+    penalized = penalize(row, p, history)
+    assert np.isfinite(penalized[:4]).all() and penalized[4] == -np.inf
+    sampler = RequestSampler(p, history)
+    (token,) = sample_next_tokens(mx.array(row[None]), [sampler])
+    assert token in range(4) and math.isfinite(sampler.logprobs[0].logprob)
+
+
 def test_a_penalized_request_gets_its_tokens_alone_and_batched(tiny_model, smollm_tokenizer):
     """Penalties read only the request's own tokens: greedy and seeded sampled requests with
     penalties get the same tokens in a batch as served alone."""

@@ -145,7 +145,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     # The special tokens' text (<|im_end|>) left out of the output text, as vLLM's default;
-    # their ids stay in the output's token ids.
+    # their ids stay in the output's token ids (a stop string spelling one never matches:
+    # stop_token_ids stops at it).
     skip_special_tokens: bool = True
     seed: int | None = None
     # Penalties and biases (``penalize``): on the output so far, as vLLM and OpenAI define
@@ -314,12 +315,13 @@ def penalize(row: np.ndarray, p: SamplingParams, history: TokenHistory) -> np.nd
         seen = np.unique(np.array([*history.prompt_token_ids, *history.output_token_ids],
                                   dtype=np.int64))
         seen = seen[seen < len(row)]
-        # In float64, then at most float32's highest value: a penalty near 0 would round to
-        # 0 in float32 or overflow a positive logit to inf (and the softmax to NaN).
+        # In float64, then back within float32's range: a penalty near 0 would round to 0 in
+        # float32 or overflow a positive logit to inf, a huge one a negative logit to -inf
+        # (a row of infinities has a NaN softmax). A masked token stays at -inf.
         x, rp = row[seen].astype(np.float64), p.repetition_penalty
         with np.errstate(over="ignore"):
-            x = np.where(x > 0, x / rp, x * rp)
-        row[seen] = np.minimum(x, FLOAT32_MAX)
+            penalized = np.clip(np.where(x > 0, x / rp, x * rp), -FLOAT32_MAX, FLOAT32_MAX)
+        row[seen] = np.where(np.isneginf(x), x, penalized)
     if p.frequency_penalty or p.presence_penalty:
         counts = np.bincount(np.array(history.output_token_ids, dtype=np.int64),
                              minlength=len(row))[: len(row)]
