@@ -495,8 +495,12 @@ def test_a_bad_value_is_refused_naming_its_field(served):
                            "stream_options")]:
         status, text = http(chat, base | fields)
         assert status == 400 and json.loads(text)["error"]["param"] == param, (fields, text)
-    status, _ = http(chat, base | {"user": "me", "stream_options": None, "logprobs": False})
-    assert status == 200
+    for neutral in [{"user": "me", "stream_options": None, "logprobs": False},
+                    {"user": None, "stream_options": {}},
+                    {"stream": False, "stream_options": {"include_usage": False}},
+                    {"stream_options": {"include_usage": None}}]:
+        status, text = http(chat, base | neutral)  # asks for nothing: served
+        assert status == 200, (neutral, text)
     settled(server)
 
 
@@ -512,6 +516,8 @@ def test_the_model_is_retrieved_and_unknown_routes_answer_as_openai_does(served,
             urllib.request.urlopen(request)
         assert e.value.code == status
         assert set(json.loads(e.value.read())["error"]) == {"message", "type", "param", "code"}
+        if status == 405:
+            assert e.value.headers["Allow"] == "POST"
     settled(server)
 
 

@@ -24,8 +24,9 @@ and with ``key_for_all`` ``/health`` and ``/metrics`` too.
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
 invalid parameters (the engine's own checks, with their messages), 400 with code
 ``context_length_exceeded`` when prompt + max_tokens exceed ``max_model_len``, 401 without
-the key, 404 for another model's name, 413 for a body over ``max_body_bytes``, 503 when
-``max_waiting`` requests already wait or the server is shutting down.
+the key, 404 for another model's name or an unknown route, 405 for a method a route does
+not take, 413 for a body over ``max_body_bytes``, 503 when ``max_waiting`` requests already
+wait or the server is shutting down.
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ def parse_request(body: Any, chat: bool, model_name: str,
         raise APIError(400, str(e), param=field) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
-    if not isinstance(body.get("user", ""), str):
+    if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError(400, "user must be a string", param="user")
     stream = body.get("stream")
     stream = False if stream is None else stream
@@ -412,18 +413,20 @@ def parse_request(body: Any, chat: bool, model_name: str,
 
 
 def include_usage(body: dict, stream: bool) -> bool:
-    """``stream_options.include_usage``: a boolean, and only for a streamed request."""
+    """``stream_options.include_usage``: a boolean (null: false), asked for only where the
+    request is streamed."""
     options = body.get("stream_options")
     if options is None:
         return False
-    if not stream:
-        raise APIError(400, "stream_options is only allowed with stream: true",
-                       param="stream_options")
-    if not isinstance(options, dict) or not set(options) <= {"include_usage"} or not \
-            isinstance(options.get("include_usage", False), bool):
+    wanted = options.get("include_usage") if isinstance(options, dict) else None
+    if not isinstance(options, dict) or not set(options) <= {"include_usage"} or (
+            wanted is not None and not isinstance(wanted, bool)):
         raise APIError(400, "stream_options must be an object whose only field is "
                        "include_usage, a boolean", param="stream_options")
-    return options.get("include_usage", False)
+    if wanted and not stream:
+        raise APIError(400, "stream_options.include_usage needs stream: true",
+                       param="stream_options")
+    return bool(wanted)
 
 
 # ANCHOR: offered_tools
@@ -962,10 +965,12 @@ class ChatShape(CompletionShape):
             entry(t, lp) for t, lp in r.top]} for r in records], "refusal": None}
 
 
-def error_response(error: APIError):
+def error_response(error: APIError, headers: dict[str, str] | None = None):
+    """The error as OpenAI shapes it; ``headers`` besides (a 405's ``Allow``)."""
     from starlette.responses import JSONResponse
 
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    if error.status == 401:
+        headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -1040,7 +1045,7 @@ def build_app(server: Server):
     async def no_route(request, exc):  # unknown paths and methods: OpenAI's error shape too
         message = (f"no route {request.url.path}" if exc.status_code == 404
                    else f"{request.method} is not allowed on {request.url.path}")
-        return error_response(APIError(exc.status_code, message))
+        return error_response(APIError(exc.status_code, message), exc.headers)
 
     async def health(request):
         if not server.loop.alive:
