@@ -99,7 +99,10 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
         return None
     ops = [_layer_op(block) for block in blocks]
     pool = fused.pool
-    if not any(ops) or not _pools_held_by_pool_only(pool):
+    if not any(ops):
+        return None
+    _rehandle(pool)
+    if not _pools_held_by_pool_only(pool):
         return None
     if positions.dtype != mx.int32:
         positions = positions.astype(mx.int32)
@@ -141,15 +144,19 @@ def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
     return run
 
 
-def _pools_held_by_pool_only(pool: Any) -> bool:
-    """Whether the decoder op may write every layer's pages in place: nothing but the pool
-    holds each array (no other Python name, view or graph node). Each entry of the pool's
-    lists first becomes a new handle on the same array: whoever still holds the old Python
-    object then holds an MLX handle of their own, which MLX's is_donatable counts."""
+def _rehandle(pool: Any) -> None:
+    """Each entry of the pool's lists becomes a new handle on the same array (no copy):
+    whoever still holds the old Python object then holds an MLX handle of their own, which
+    MLX's is_donatable counts."""
     ext = reference_extension()
     for arrays in (pool.k, pool.v):
         arrays[:] = [ext.new_handle(a) for a in arrays]
-    return all(map(ext.donatable, pool.k + pool.v))
+
+
+def _pools_held_by_pool_only(pool: Any) -> bool:
+    """Whether the decoder op may write every layer's pages in place: nothing but the pool
+    holds each array (no other Python name, view or graph node; after ``_rehandle``)."""
+    return all(map(reference_extension().donatable, pool.k + pool.v))
 
 
 def _objects(block: nn.Module) -> list[Any]:
