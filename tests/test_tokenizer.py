@@ -427,6 +427,37 @@ def test_stream_skips_special_tokens_without_growing_its_window(tok: Tokenizer) 
     assert tok.detokenizer(skip_special_tokens=False).add(special) == tok.decode([special]) != ""
 
 
+@pytest.mark.parametrize("text", ["🦀🦀 日本語 ñ", "x\u0301 and plain words", "Hello"])
+def test_a_tokens_bytes_rebuild_the_text_where_its_own_text_cannot(tok: Tokenizer, text: str):
+    """A token that is part of a character decodes to U+FFFD alone; its bytes are its
+    own (as OpenAI's logprobs give them), so a reply's tokens' bytes are the reply."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(map(tok.token_bytes, ids)) == text.encode()
+    for i in ids:
+        if "\ufffd" not in tok.decode([i]):
+            assert tok.token_bytes(i) == tok.decode([i]).encode()
+
+
+def test_a_byte_fallback_piece_stands_for_its_byte(tok: Tokenizer, monkeypatch):
+    """SentencePiece vocabularies (Llama 2's, Mistral's) spell a lone byte <0xAB>."""
+    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=False: "\ufffd")
+    monkeypatch.setattr(tok, "_token_string", lambda token_id: "<0xF0>")
+    assert tok.token_bytes(7) == b"\xf0"
+
+
+def test_logprob_records_carry_each_tokens_own_bytes(tok: Tokenizer):
+    from tiny_llm.sampling import TokenLogprob
+    from tiny_llm.server import ChatShape, Spelling
+
+    ids = tok.encode("🦀!", add_special_tokens=False)
+    spelling = Spelling(lambda t: tok.decode([t]), tok.token_bytes)
+    records = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
+    entries = ChatShape("r", "m", spelling).logprobs(records)["content"]
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "🦀!"
+    assert entries[0]["token"] == "\ufffd" and entries[0]["top_logprobs"][0]["bytes"] == list(
+        tok.token_bytes(ids[0]))
+
+
 # --- Hugging Face folders ---------------------------------------------------------------------
 
 

@@ -701,8 +701,9 @@ class Server:
             else:  # no await here: this may run in a cancelled scope (a closed stream)
                 self.loop.abort(request_id)
 
-    def token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token])
+    def spelling(self) -> Spelling:
+        tokenizer = self.engine.tokenizer
+        return Spelling(lambda token: tokenizer.decode([token]), tokenizer.token_bytes)
 
     def usage(self, outs: list[RequestOutput], num_prompt: int) -> dict[str, Any]:
         """Every sample's tokens; the prompt (and its cached tokens, the first sample's)
@@ -758,9 +759,9 @@ class Server:
             parsed, request_id, samples, num_prompt = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
-        shape = (ChatShape(request_id, self.model_name, self.token_text, parsed.tool_use,
+        shape = (ChatShape(request_id, self.model_name, self.spelling(), parsed.tool_use,
                            self.tool_format) if chat
-                 else CompletionShape(request_id, self.model_name, self.token_text))
+                 else CompletionShape(request_id, self.model_name, self.spelling()))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
                                        ping=15)
@@ -813,14 +814,22 @@ class Server:
 # ANCHOR_END: handlers
 
 
+class Spelling(NamedTuple):
+    """How a logprob record spells a token: its text, and the bytes it stands for (a token
+    that is part of a character has the text U+FFFD but bytes of its own)."""
+
+    text: Callable[[int], str]
+    bytes: Callable[[int], bytes]
+
+
 class CompletionShape:
     """``/v1/completions`` bodies and chunks."""
 
     object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str]):
+    def __init__(self, request_id: str, model: str, spelling: Spelling):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
-        self.token_text = token_text
+        self.spelling = spelling
         self.text_offset: dict[int, int] = {}  # per choice: characters whose logprobs went out
 
     def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
@@ -855,13 +864,14 @@ class CompletionShape:
         """The legacy completions' shape: parallel lists, the alternatives as dicts."""
         if records is None:
             return None
-        tokens = [self.token_text(r.token) for r in records]
+        tokens = [self.spelling.text(r.token) for r in records]
         offsets = []
         for token in tokens:
             offsets.append(self.text_offset.get(index, 0))
             self.text_offset[index] = offsets[-1] + len(token)
         return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in r.top} for r in records],
+                "top_logprobs": [{self.spelling.text(t): lp for t, lp in r.top}
+                                 for r in records],
                 "text_offset": offsets}
 
 
@@ -871,9 +881,9 @@ class ChatShape(CompletionShape):
 
     object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str],
+    def __init__(self, request_id: str, model: str, spelling: Spelling,
                  tool_use: ToolUse | None = None, tool_format: str | None = None):
-        super().__init__(request_id, model, token_text)
+        super().__init__(request_id, model, spelling)
         self.id = f"chatcmpl-{request_id}"
         use = tool_use or ToolUse(None, False, None, None)
         self.tools = use.tools if use.parse else None  # read for calls: None, not read
@@ -958,8 +968,8 @@ class ChatShape(CompletionShape):
             return None
 
         def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": self.spelling.text(token), "logprob": logprob,
+                    "bytes": list(self.spelling.bytes(token))}
 
         return {"content": [entry(r.token, r.logprob) | {"top_logprobs": [
             entry(t, lp) for t, lp in r.top]} for r in records], "refusal": None}

@@ -78,6 +78,19 @@ _END_OF_TURN_TOKENS = (
     "<|end|>",
 )
 _REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte token's piece
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """Byte-level BPE's alphabet, read back: a byte that prints as itself is its own
+    character; every other byte is the character 256 + its rank among those bytes."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_bytes()
 
 
 def check_text(what: str, text: str) -> None:
@@ -273,6 +286,20 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         skipped = self.special_token_ids if skip_special_tokens else frozenset()
         return IncrementalDetokenizer(self.decode, skipped)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for: its text's, or where the token is part of a
+        character (its text U+FFFD), the bytes its piece spells (byte-level BPE's alphabet,
+        or a byte-fallback piece ``<0xAB>``). A piece in neither spelling gives its text's."""
+        text = self.decode([token_id])
+        if _REPLACEMENT_CHAR not in text:
+            return text.encode()
+        piece = self._token_string(token_id)
+        if byte := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(byte[1], 16)])
+        if piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
 
     def _token_string(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""
