@@ -14,7 +14,10 @@ UNAME  := $(shell uname -s)
 setup: $(STAMP) native
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || { $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	test -x $(PY) || { command -v $(PYTHON) > /dev/null || \
+		{ echo "there is no $(PYTHON) here: run make with PYTHON= naming a Python >= 3.10"; \
+			exit 1; }; \
+		$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
 		{ echo "tiny-llm needs Python >= 3.10, and $(PYTHON) is $$($(PYTHON) --version 2>&1):" \
 			"run make with PYTHON=python3.12 (or another >= 3.10)"; exit 1; }; \
 		$(PYTHON) -m venv $(VENV); }
