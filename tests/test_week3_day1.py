@@ -310,6 +310,9 @@ def test_text_flushed_at_finish_is_still_cut_at_a_stop_string():
     req = Request([1, 2], SamplingParams(max_tokens=1, stop=["STOP"]), HeldBack(), set(), 64)
     released = req.append_token(7)
     assert released == "ok " and req.output_text == "ok " and req.finish_reason == "stop"
+    aborted = Request([1, 2], SamplingParams(stop=["STOP"]), HeldBack(), set(), 64)
+    aborted.append_token(7)
+    assert aborted.finish("abort") == "ok " and aborted.finish_reason == "abort"
 
 
 @pytest.mark.parametrize("pieces,stop,min_tokens,want", [

@@ -179,8 +179,9 @@ class Request:
         if flush:
             self._text += self.detokenizer.flush()
             # The flushed tail (bytes held back mid-character) may complete a stop string.
-            if (self._max_stop_len and self._past_min_tokens() and reason != "abort"
-                    and self._truncate_at_stop_string()):
+            # (cut on an abort too, whose reason stays: a stop string is never output text)
+            if (self._max_stop_len and self._past_min_tokens()
+                    and self._truncate_at_stop_string() and reason != "abort"):
                 self.finish_reason = "stop"
         return self._release(len(self._text))
 
