@@ -346,7 +346,8 @@ class _Filters(NamedTuple):
 def _scaled(row: np.ndarray, temperature: float) -> np.ndarray:
     """float32 logits divided by the temperature, kept in float32 and finite above."""
     with np.errstate(over="ignore"):
-        return np.minimum(row / np.float32(temperature), FLOAT32_MAX)
+        x = row / np.float32(temperature)
+    return np.minimum(x, FLOAT32_MAX, out=x)
 
 
 def _logsumexp(x: np.ndarray, top: float) -> float:
