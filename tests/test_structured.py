@@ -128,6 +128,21 @@ def test_a_constrained_request_gets_its_tokens_alone_and_batched(engine, tiny_mo
 
 
 @pytest.mark.task("9.2")
+@pytest.mark.parametrize("only_the_top", [dict(top_k=1), dict(top_p=1e-9), dict(min_p=1.0)],
+                         ids=["top_k", "top_p", "min_p"])
+def test_the_filters_read_the_masked_row(engine, only_the_top):
+    """Top-k, top-p and min-p filter the row the grammar has masked: a sampled request whose
+    filter keeps only the most likely token draws, at any temperature, the greedy
+    constrained request's tokens (the grammar's best, never the model's forbidden one)."""
+    spec = StructuredOutput(json=SCHEMA)
+    want = texts(engine, [spec], [0.0], max_tokens=60)[0]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=60, structured=spec,
+                             **only_the_top) for i, t in enumerate((0.5, 1.0, 1.5))]
+    outs = engine.generate(["Tell me"] * 3, params, use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs] == [want] * 3
+
+
+@pytest.mark.task("9.2")
 def test_logprobs_come_from_the_masked_distribution(engine, tiny_model, smollm_tokenizer):
     """A greedy request's log-probabilities and alternatives are the model's logits with
     every token the grammar forbids removed: recomputed position by position."""
