@@ -229,6 +229,20 @@ def test_a_schemas_properties_come_in_its_order(engine):
 
 
 @pytest.mark.task("9.2")
+def test_schemas_that_differ_only_in_property_order_are_different_grammars(engine):
+    """The cache of compiled grammars tells the two orders apart (the same properties, the
+    same required list): in one batch, each schema's outputs come in its own order."""
+    keys = ["left", "right"]
+    orders = [keys, keys[::-1]]
+    specs = [StructuredOutput(json={"type": "object", "properties": {
+        k: {"enum": [1, 2]} for k in order}, "required": keys, "additionalProperties": False})
+        for order in orders]
+    outs = texts(engine, specs * 2, [0.0, 0.0, 1.0, 1.0])
+    for (text, finish), order in zip(outs, orders * 2, strict=True):
+        assert finish == "stop" and list(json.loads(text)) == order, text
+
+
+@pytest.mark.task("9.2")
 def test_logprob_alternatives_are_tokens_the_grammar_allows(engine):
     """Asked for more alternatives than the grammar allows, a record lists only tokens that
     could have been drawn (finite log-probabilities, JSON-serialisable)."""
