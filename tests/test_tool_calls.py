@@ -63,6 +63,23 @@ def test_an_output_splits_into_content_and_calls():
                                                 "arguments": calls[0].arguments}
 
 
+@pytest.mark.parametrize("zone", ['a " </tool_call> b', "C:\\", 'C:\\" </tool_call>'])
+def test_a_calls_arguments_may_spell_the_closing_tag_after_escapes(zone):
+    """Inside a JSON string an escaped quote does not end the string and an escaped
+    backslash does not escape the quote after it: each block ends at the first closing
+    tag outside its arguments' strings, whole or fed in pieces."""
+    zones = [zone, "CET"]
+    text = "\n".join(f"<tool_call>\n{json.dumps({'name': 'get_time', 'arguments': {'zone': z}})}"
+                     "\n</tool_call>" for z in zones) + " after"
+    for cut in (None, *range(1, len(text))):
+        reader = parser(TOOLS, "hermes")
+        pieces = [text] if cut is None else [text[:cut], text[cut:]]
+        fed = [reader.feed(piece) for piece in pieces] + [reader.finish()]
+        content, calls = "".join(c for c, _ in fed), [c for _, more in fed for c in more]
+        assert content == " after", (cut, content)
+        assert [json.loads(c.arguments) for c in calls] == [{"zone": z} for z in zones]
+
+
 LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
 
 
