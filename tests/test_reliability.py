@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from tiny_llm.device import rehearsing_gpu
 from tiny_llm.engine import LLMEngine
@@ -509,3 +510,35 @@ def test_a_failed_draw_restores_every_generator_that_drew_in_its_step(tiny_model
     failed = log.index((2, "failed"))
     assert log[failed - 2:failed] == [(0, 3), (1, 3)], log  # both drew in the failing step
     assert got == expected, "a failed step left another request's generator advanced"
+
+
+def test_a_failed_draw_takes_back_the_logprob_records_of_its_step(tiny_model,
+                                                                   smollm_tokenizer):
+    """Requests with logprobs (sampled, greedy, sampled) decode in lockstep; the last one's
+    third draw fails after the other two recorded their token's logprobs in that step:
+    those records go with the step, so each request ends with one record per token, the
+    records of an undisturbed run."""
+    prompts = random_prompts(3, seed=52, lo=5, hi=8)
+    params = [replace(sampled(8, seed=80), logprobs=2), greedy(8, logprobs=2),
+              replace(sampled(8, seed=81), logprobs=2)]
+
+    def run(fail: bool) -> list:
+        engine = LLMEngine(tiny_model, smollm_tokenizer, **PAGED)
+        ids = [engine.add_request({"prompt_token_ids": p}, sp)
+               for p, sp in zip(prompts, params, strict=True)]
+        if fail:
+            sampler = engine.requests[ids[2]].sampler
+            sampler.rng = FailingGenerator(sampler.rng, 3)
+        finished, failures = {}, 0
+        while engine.has_unfinished_requests():
+            try:
+                finished |= {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+            except RuntimeError:
+                failures += 1
+        assert failures == fail
+        return [finished[i] for i in ids]
+
+    expected = run(fail=False)
+    for got, want in zip(run(fail=True), expected, strict=True):
+        assert len(got.logprobs) == len(got.token_ids) == 8
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
