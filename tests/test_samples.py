@@ -3,7 +3,9 @@
 The first sample computes the prompt; the others wait for it, then take its full pages from
 the prefix cache and compute only the last, partial page. Oracles: each sample is the
 request served alone with the seed ``seed + index``; the engine's counters say how many
-prompt tokens were computed and served from the cache; after aborts, every page is free.
+prompt tokens were computed and served from the cache; the block manager's invariants after
+every step (each page referenced exactly as often as tables hold it), the pages in use while
+the samples run, and every page free at the end.
 """
 
 from __future__ import annotations
@@ -21,9 +23,26 @@ def engine_of(tiny_model, smollm_tokenizer, **options):
     return LLMEngine(tiny_model, smollm_tokenizer, num_pages=128, page_size=16, **options)
 
 
+def pages_in_use(engine: LLMEngine) -> list[int]:
+    """From now on, after every step: check the block manager's invariants and append the
+    pages in use to the list returned."""
+    used, step = [], engine.core.step
+
+    def checked() -> None:
+        step()
+        engine.kv.blocks.check_invariants()
+        used.append(engine.stats()["num_pages"] - engine.stats()["num_free_pages"])
+
+    engine.core.step = checked
+    return used
+
+
+@pytest.mark.parametrize("budget", [512, 32])  # 32: the prompt is computed over two steps
 def test_samples_share_the_prompts_pages_and_draw_from_their_own_seeds(tiny_model,
-                                                                       smollm_tokenizer):
-    engine = engine_of(tiny_model, smollm_tokenizer)
+                                                                       smollm_tokenizer,
+                                                                       budget):
+    engine = engine_of(tiny_model, smollm_tokenizer, max_num_batched_tokens=budget)
+    pages_in_use(engine)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6)
     out, plain = engine.generate([{"prompt_token_ids": PROMPT}, "Hello"], [params, None],
                                  use_tqdm=False)
@@ -37,6 +56,36 @@ def test_samples_share_the_prompts_pages_and_draw_from_their_own_seeds(tiny_mode
     assert stats["num_prompt_tokens_computed"] == len(PROMPT) + 3 * 2 + hello
     assert stats["prefix_cache_hit_tokens"] == 3 * 48
     assert stats["num_free_pages"] == stats["num_pages"]
+
+
+def test_each_sample_holds_its_own_reference_to_the_shared_pages(tiny_model, smollm_tokenizer):
+    """The first sample's four pages, then the three full ones shared by all four samples
+    plus a page of each one's own; when the first finishes (a step ahead of the others) its
+    own page goes and the shared ones stay for the other three; then nothing."""
+    engine = engine_of(tiny_model, smollm_tokenizer)
+    used = pages_in_use(engine)
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_samples({"prompt_token_ids": PROMPT}, params)
+    shared = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        shared.append([engine.kv.blocks.blocks[p].ref_count for p in range(3)])
+    assert used == [4, 7, 7, 7, 7, 6, 0]
+    assert shared == [[1, 1, 1]] + [[4, 4, 4]] * 4 + [[3, 3, 3], [0, 0, 0]]
+
+
+def test_the_prompt_is_scored_once_and_its_pages_still_shared(tiny_model, smollm_tokenizer):
+    """With prompt_logprobs, the first sample scores the prompt; the others take its pages
+    from the prefix cache as before (a request that scores its prompt could not)."""
+    engine = engine_of(tiny_model, smollm_tokenizer)
+    pages_in_use(engine)
+    out = engine.generate([{"prompt_token_ids": PROMPT}],
+                          SamplingParams(n=3, seed=1, max_tokens=4, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and len(out.prompt_logprobs) == len(PROMPT)
+    stats = engine.stats()
+    assert stats["num_prompt_tokens_computed"] == len(PROMPT) + 2 * 2
+    assert stats["prefix_cache_hit_tokens"] == 2 * 48
 
 
 def test_without_prefix_caching_every_sample_computes_the_prompt(tiny_model, smollm_tokenizer):
@@ -53,6 +102,7 @@ def test_aborting_some_samples_leaves_no_page_behind(tiny_model, smollm_tokenize
     """Abort a waiting sample before the first has computed the prompt and a running one
     mid-decode; the rest finish with their tokens, and every page is free afterwards."""
     engine = engine_of(tiny_model, smollm_tokenizer, max_num_batched_tokens=32)
+    pages_in_use(engine)
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     ids = engine.add_samples({"prompt_token_ids": PROMPT}, params, "job")
     assert ids == [f"job-{i}" for i in range(4)]
