@@ -332,6 +332,30 @@ def test_speculation_switches_off_when_the_batch_is_full(tiny_model, smollm_toke
     assert stats["num_steps"] == 1 + 4 + -(-(25 - 5) // 5)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_no_request_gets_drafts_past_its_own_max_tokens(tiny_model, smollm_tokenizer,
+                                                         repeater, proposer):
+    """A verification emits the accepted drafts and one more token: a request is drafted
+    at most ``max_tokens - its output - 1`` tokens (none when one token is left), however
+    many the engine may draft, and still ends with exactly its max_tokens tokens."""
+    options = dict(speculative="ngram") if proposer == "ngram" else dict(
+        speculative="draft", draft_model=(tiny_model, smollm_tokenizer))
+    target = repeater if proposer == "ngram" else tiny_model
+    engine = LLMEngine(target, smollm_tokenizer, num_pages=128, num_speculative_tokens=6,
+                       **options)
+    drafted = []
+    verify = engine.core.spec.verify
+    engine.core.spec.verify = lambda request, logits: (drafted.append(
+        (request.params.max_tokens - len(request.output_token_ids), len(
+            request.spec_token_ids))) or verify(request, logits))
+    prompts = repetitive_prompts(5, seed=6)
+    params = [greedy(n) for n in (2, 3, 5, 8, 13)]
+    outs = tokens_of(engine, prompts, params)
+    assert [len(t) for t in outs] == [2, 3, 5, 8, 13]
+    assert drafted and all(0 < n < left for left, n in drafted), drafted
+    assert engine.stats()["num_draft_tokens"] == sum(n for _, n in drafted)
+
+
 def test_bad_speculative_configurations_are_refused(tiny_model, smollm_tokenizer):
     from tiny_llm.testing.models import make_tiny_model as tiny
 
