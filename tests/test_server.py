@@ -189,6 +189,26 @@ def test_prefix_cache_hits_are_reported_as_cached_tokens(served, client):
     settled(served[1])
 
 
+def test_cached_tokens_count_the_prompt_once_over_n_samples(served, client):
+    """n samples share one prompt: usage's cached_tokens counts its cached tokens once,
+    as a single request of the same prompt reports them, streamed or not."""
+    prompt = " ".join(f"sample{i}" for i in range(120))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    single = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                       temperature=0).usage
+    cached = single.prompt_tokens_details.cached_tokens
+    assert 0 < cached < single.prompt_tokens
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                      temperature=1.0, seed=1).usage
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                            temperature=1.0, seed=1, stream=True,
+                                            stream_options={"include_usage": True}))
+    for usage in (whole, chunks[-1].usage):
+        assert usage.prompt_tokens == single.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens == cached
+    settled(served[1])
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(temperature=-1), openai.BadRequestError, "temperature"),
     (dict(top_p=0), openai.BadRequestError, "top_p"),
@@ -357,7 +377,7 @@ def test_every_client_that_leaves_is_aborted_streamed_or_not(served, monkeypatch
     assert server.engine.stats()["num_generated_tokens"] - generated_before < 12 * 400 // 2
 
 
-def test_big_bodies_are_refused_and_cannot_stall_other_clients(served):
+def test_big_bodies_are_refused_and_cannot_stall_other_clients(served, monkeypatch):
     url, server = served
     limit = server.max_body_bytes
     # Declared too large: 413 from the header, before a byte of the body is read.
@@ -388,23 +408,64 @@ def test_big_bodies_are_refused_and_cannot_stall_other_clients(served):
     finally:
         logging.getLogger("uvicorn.error").removeHandler(errors)
     assert not errors.buffer, [r.getMessage() for r in errors.buffer]
-    # A body under the limit whose prompt takes seconds to tokenize: /health still answers
-    # at once (templating and tokenizing run in a worker thread).
+    # A body under the limit whose prompt takes seconds to tokenize: /health answers while
+    # the tokenizing has not ended (templating and tokenizing run in a worker thread). The
+    # tokenizing waits for the probes; on the event loop it would hold them back instead,
+    # until its wait gave up.
+    tokenize = server.engine.tokenize
+    inside, probed = threading.Event(), threading.Event()
+    waited: list[bool] = []  # whether the probes released the tokenizing
+
+    def held(*args):
+        inside.set()
+        waited.append(probed.wait(timeout=30))
+        return tokenize(*args)
+
+    monkeypatch.setattr(server.engine, "tokenize", held)
     prompt = "many words " * (limit // 11 - 100)
     done: list[tuple[int, str]] = []
     poster = threading.Thread(target=lambda: done.append(
         http(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})))
     poster.start()
-    probes = []
-    while poster.is_alive():
-        start = time.monotonic()
+    assert inside.wait(timeout=60)
+    for _ in range(3):
         assert http(f"{url}/health") == (200, "ok")
-        probes.append(time.monotonic() - start)
+    probed.set()
     poster.join()
+    assert waited == [True]
     assert done[0][0] == 400 and json.loads(done[0][1])["error"]["code"] == \
         "context_length_exceeded"
-    assert len(probes) >= 3 and max(probes) < 0.5, probes
     settled(server)
+
+
+def padded(size: int) -> bytes:
+    """A completions body of exactly ``size`` bytes (JSON, padded with spaces)."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+def chunked_post(url: str, body: bytes) -> socket.socket:
+    """A POST whose body is sent chunked (no Content-Length: the server counts as it reads)."""
+    sock = connect(url)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    return sock
+
+
+def test_a_body_of_exactly_max_body_bytes_is_served(tiny_model, smollm_tokenizer):
+    """The limit is inclusive: a body of max_body_bytes is served, one byte more is a 413,
+    whether its length is declared or counted as it arrives."""
+    server = Server(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), MODEL,
+                    max_body_bytes=1024)
+    with running(server) as url:
+        for size, status in [(1024, 200), (1025, 413)]:
+            body = padded(size)
+            assert len(body) == size
+            assert http(f"{url}/v1/completions", body)[0] == status, size
+            sock = chunked_post(url, body)
+            assert read_until(sock, b"\r\n").startswith(b"HTTP/1.1 %d" % status), size
+            sock.close()
 
 
 def test_fields_as_openai_reads_them(served, client):
