@@ -464,6 +464,14 @@ def test_clear_errors_for_wrong_types_and_values(tiny_model, smollm_tokenizer):
         (TypeError, r"sampling_params must be .* got dict \(use SamplingParams\(\*\*d\)\)",
          lambda: engine.generate(["a"], {"max_tokens": 2}, use_tqdm=False)),
         (TypeError, "decode bytes to str", lambda: engine.generate(b"hello", use_tqdm=False)),
+        (TypeError, r"generate takes a prompt or a list of prompts \(a prompt is a string.* "
+         "got int", lambda: engine.generate(5, use_tqdm=False)),
+        (TypeError, "generate takes a prompt .* got NoneType",
+         lambda: engine.generate(None, use_tqdm=False)),
+        (TypeError, "sampling_params must be a SamplingParams or a list of them, got float",
+         lambda: engine.generate(["a"], 0.5, use_tqdm=False)),
+        (TypeError, "params must be a SamplingParams, got int",
+         lambda: engine.generate(["a", "b"], [greedy(2), 5], use_tqdm=False)),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message):

@@ -21,7 +21,7 @@ import atexit
 import functools
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -147,7 +147,7 @@ class LLMEngine:
 
     def _add_samples(self, prompt: Prompt, params: SamplingParams, base: str,
                      collect: bool) -> list[Request]:
-        if params.n == 1:
+        if not isinstance(params, SamplingParams) or params.n == 1:  # make_request checks it
             return [self._add(params, prompt, base, collect)]
         samples: list[Request] = []
         try:
@@ -211,14 +211,14 @@ class LLMEngine:
         """Run every prompt to completion; outputs in input order, ``n`` completions each
         where the params ask for several. All or nothing: a bad prompt adds none of them;
         an interrupt aborts the ones still running."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        prompts = _prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
         requests: list[Request] = []
         groups: list[int] = []  # samples per prompt
         with self._lock:
             try:
                 for p, sp in zip(prompts, params, strict=True):
-                    sp = sp or SamplingParams()
+                    sp = SamplingParams() if sp is None else sp
                     samples = self._add_samples(p, sp, self.outputs.new_id(None), True)
                     requests += samples
                     groups.append(len(samples))
@@ -374,15 +374,27 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
 
 
 def _params_per_prompt(sampling_params: Any, n: int) -> list[SamplingParams | None]:
-    if isinstance(sampling_params, dict):
-        raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
-                        "dict (use SamplingParams(**d))")
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
+    if isinstance(sampling_params, dict) or not isinstance(sampling_params, Iterable):
+        hint = " (use SamplingParams(**d))" if isinstance(sampling_params, dict) else ""
+        raise TypeError("sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__}{hint}")
     params = list(sampling_params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """What ``generate`` was given, as a list of prompts (each checked when it is added)."""
+    if _is_single_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError("generate takes a prompt or a list of prompts (a prompt is a string, a "
+                        "list of token ids, {'prompt_token_ids': [...]} or a list of chat "
+                        f"messages), got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _is_single_prompt(prompts: Any) -> bool:
