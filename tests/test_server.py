@@ -565,6 +565,40 @@ def test_a_bad_value_is_refused_naming_its_field(served):
     settled(server)
 
 
+LONE = "\ud800"  # a lone surrogate: JSON can carry it ("\\ud800"), UTF-8 cannot
+HI = [{"role": "user", "content": "hi"}]
+NAMED_400S = [  # (endpoint, body, the field its 400 names)
+    ("completions", {"prompt": "hi", "stop": LONE}, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["a", "b" + LONE]}, "stop"),
+    ("completions", {"prompt": "hi", "logit_bias": {"4900000": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [4900000]}, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "min_tokens": 2, "structured_outputs": {"regex": "a+"}},
+     "min_tokens"),
+    ("completions", {"prompt": "hi", "ignore_eos": True, "response_format": {
+        "type": "json_object"}}, "ignore_eos"),
+    ("completions", {"prompt": "a" + LONE}, "prompt"),
+    ("completions", {"prompt": [1, 2, 4900000]}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a" + LONE}]}, "messages"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "a" + LONE}}]}, "tools"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {LONE: {}}}}}]}, "tools"),
+    ("chat/completions", {"messages": HI, "max_completion_tokens": 2, "min_tokens": 3},
+     "min_tokens"),
+]
+
+
+def test_every_400_names_its_field(served):
+    """A walk over the error paths past the fields' own checks (the engine's vocabulary,
+    text that is not Unicode, combinations): each 400 names the field it is about."""
+    url, server = served
+    for endpoint, body, param in NAMED_400S:
+        status, text = http(f"{url}/v1/{endpoint}", json.dumps(body).encode())
+        assert status == 400 and json.loads(text)["error"]["param"] == param, (body, text)
+    settled(server)
+
+
 def test_the_model_is_retrieved_and_unknown_routes_answer_as_openai_does(served, client):
     url, server = served
     (listed,) = client.models.list().data

@@ -16,6 +16,9 @@ What happens to one row of logits:
    takes numpy's argmax, with the same tie rule.
 4. One uniform draw from the request's own ``np.random.Generator`` picks a token by inverse CDF
    over the kept tokens, walked in ascending token-id order.
+5. A request with ``logprobs`` records the token (``TokenLogprob``): in the model's own
+   distribution (the engine's default ``logprobs_mode``, read from the row as it came), or
+   in the one it was drawn from; a request without them costs no pass for them.
 
 Invariants:
 
@@ -98,7 +101,10 @@ def _stop_strings(value: object) -> list[str]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
         raise _invalid("stop", "None, a non-empty string or a list of non-empty strings", value)
     for s in items:
-        check_text("SamplingParams.stop", s)
+        try:
+            check_text("SamplingParams.stop", s)
+        except ValueError as e:
+            raise InvalidParam("stop", str(e)) from None
     return list(items)
 
 
@@ -116,7 +122,8 @@ def _logit_bias(value: object) -> dict[int, float]:
     out = {}
     for token, bias in items.items():
         # JSON object keys are strings: "42" is token 42, as in OpenAI's API.
-        tid = int(token) if isinstance(token, str) and token.isdigit() else token
+        tid = int(token) if isinstance(token, str) and token.isascii() and token.isdigit() \
+            else token
         if not _is_int(tid) or tid < 0:
             raise _invalid("logit_bias", "keyed by token ids >= 0", value)
         ok = isinstance(bias, numbers.Real) and not isinstance(bias, bool)
@@ -130,6 +137,7 @@ GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # alternatives a token's record may list (OpenAI's top_logprobs limit)
 FLOAT32_MAX = np.finfo(np.float32).max  # the highest logit a row keeps (inf: NaN softmax)
 MAX_SAMPLES = 128  # samples of one prompt (OpenAI's limit on n)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # what a record reads: TokenLogprob
 
 
 @dataclass
@@ -207,8 +215,9 @@ class SamplingParams:
             # that token back.
             for name in ("ignore_eos", "min_tokens"):
                 if getattr(self, name):
-                    raise ValueError(f"{name} cannot be combined with a structured output, "
-                                     "which ends exactly where its grammar is complete")
+                    raise InvalidParam(name, f"{name} cannot be combined with a structured "
+                                       "output, which ends exactly where its grammar is "
+                                       "complete")
 
     def for_sample(self, index: int) -> SamplingParams:
         """Sample ``index``'s own params: one sample, seeded ``seed + index`` if seeded.
@@ -248,10 +257,19 @@ class TokenHistory:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability, and the ``logprobs`` most likely tokens' (ties by
-    ascending id), in the distribution the token was drawn from: the row after penalties
-    and biases, divided by the temperature (as it is for a greedy request), before the
-    top-k, top-p and min-p filters."""
+    """A token's log-probability, and the ``logprobs`` most likely tokens' (ties by
+    ascending id; only tokens of finite log-probability are listed), in the distribution
+    the engine's ``logprobs_mode`` names (``LOGPROBS_MODES``, vLLM's names):
+
+    * ``raw_logprobs`` (the default): the model's own, the log-softmax of its logits
+      before anything the request's parameters do;
+    * ``processed_logprobs``: the distribution the token was drawn from: the logits after
+      the grammar's mask, min_tokens, logit_bias and the repetition, frequency and presence
+      penalties, divided by the temperature, renormalised over the tokens top-k, top-p
+      and min-p keep (the others at -inf). A greedy request's row is neither divided nor
+      filtered: its argmax reads the whole row.
+
+    A prompt token's record (``prompt_logprobs``) is always the model's own."""
 
     token: int
     logprob: float
@@ -432,13 +450,21 @@ def _weights(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.exp(xs - xs.max())
 
 
-def _sample_row(row: np.ndarray, sampler: RequestSampler) -> int:
-    x = _scaled(row, sampler.params.temperature)
-    ids = _filtered(x, sampler.params)
+def _draw(x: np.ndarray, ids: np.ndarray, rng: np.random.Generator) -> int:
+    """One uniform draw picks a kept token by inverse CDF, ``ids`` ascending."""
     cum = np.cumsum(_weights(x, ids), dtype=np.float64)
-    i = int(np.searchsorted(cum, sampler.rng.random() * cum[-1], side="right"))
+    i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
     return int(ids[min(i, len(ids) - 1)])
 # ANCHOR_END: filters
+
+
+def _kept_only(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``x`` with every token but ``ids`` at -inf: the filtered distribution's logits."""
+    if len(ids) == len(x):
+        return x
+    out = np.full_like(x, -np.inf)
+    out[ids] = x[ids]
+    return out
 
 
 def _rows(logits: mx.array, rows: list[int]) -> mx.array:
@@ -447,8 +473,11 @@ def _rows(logits: mx.array, rows: list[int]) -> mx.array:
 
 
 # ANCHOR: sample_next_tokens
-def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> list[int]:
-    """Next token for each row of ``logits`` [B, V]; row b uses ``samplers[b]``."""
+def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler],
+                       logprobs_mode: str = "raw_logprobs") -> list[int]:
+    """Next token for each row of ``logits`` [B, V]; row b uses ``samplers[b]``. A request
+    with ``logprobs`` records each token in the distribution ``logprobs_mode`` names
+    (``TokenLogprob``)."""
     if logits.ndim != 2 or logits.shape[0] != len(samplers):
         raise ValueError(
             f"logits must be [B, V] with B == len(samplers) == {len(samplers)}, "
@@ -466,21 +495,31 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler]) -> 
             tokens[b] = token
     if on_host:
         for b, row in zip(on_host, np.array(_rows(logits, on_host)), strict=True):
-            s = samplers[b]
-            if s.constraint is not None:
-                row = constrained(row, s.constraint)
-            if s.params.penalized:
-                row = penalize(row, s.params, s.history)
-            # np.argmax: the lowest token id on ties, as the device's argmax
-            tokens[b] = int(np.argmax(row)) if s.params.greedy else _sample_row(row, s)
-            if s.params.logprobs is not None:
-                x = row if s.params.greedy else _scaled(row, s.params.temperature)
-                s.logprobs.append(token_logprob(x, tokens[b], s.params.logprobs))
-            if s.constraint is not None:
-                s.constraint.consume(tokens[b])
+            tokens[b] = _sample_on_host(row, samplers[b], logprobs_mode)
     return tokens
 
 
+def _sample_on_host(raw: np.ndarray, s: RequestSampler, logprobs_mode: str) -> int:
+    """A row's token: the grammar's mask, then the bias and penalties, then the argmax or
+    the filtered draw; the token's record (with logprobs) and the matcher advanced."""
+    row = raw if s.constraint is None else constrained(raw, s.constraint)
+    if s.params.penalized:
+        row = penalize(row, s.params, s.history)
+    wants_record = s.params.logprobs is not None
+    if s.params.greedy:  # np.argmax: the lowest token id on ties, as the device's argmax
+        token = int(np.argmax(row))
+    else:
+        row = _scaled(row, s.params.temperature)
+        kept = _filtered(row, s.params)
+        token = _draw(row, kept, s.rng)
+        if wants_record and logprobs_mode == "processed_logprobs":
+            row = _kept_only(row, kept)
+    if wants_record:
+        drawn_from = raw if logprobs_mode == "raw_logprobs" else row
+        s.logprobs.append(token_logprob(drawn_from, token, s.params.logprobs))
+    if s.constraint is not None:
+        s.constraint.consume(token)
+    return token
 # ANCHOR_END: sample_next_tokens
 
 

@@ -52,6 +52,7 @@ from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams, TokenLogprob
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
+from tiny_llm.tokenizer import check_text, strings_in
 from tiny_llm.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
 
 log = logging.getLogger("tiny_llm")
@@ -397,10 +398,7 @@ def parse_request(body: Any, chat: bool, model_name: str,
         params = SamplingParams(max_tokens=max_tokens, logprobs=requested_logprobs(body, chat),
                                 structured=structured, n=n, **options)
     except InvalidParam as e:
-        field = e.field
-        if field == "max_tokens" and body.get("max_completion_tokens") is not None:
-            field = "max_completion_tokens"
-        raise APIError(400, str(e), param=field) from None
+        raise APIError(400, str(e), param=param_of(e, body)) from None
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -410,6 +408,14 @@ def parse_request(body: Any, chat: bool, model_name: str,
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be a boolean", param="stream")
     return ParsedRequest(prompt, params, stream, include_usage(body, stream), use, grammar_param)
+
+
+def param_of(error: InvalidParam, body: dict) -> str:
+    """The request field an engine's ``InvalidParam`` names: ``max_tokens`` is
+    ``max_completion_tokens`` where the request gave that one."""
+    if error.field == "max_tokens" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return error.field
 
 
 def include_usage(body: dict, stream: bool) -> bool:
@@ -436,6 +442,8 @@ def offered_tools(body: dict) -> tuple[list[dict[str, Any]] | None, ToolChoice, 
     tools = body.get("tools")
     try:
         tools = tool_calls.check_tools(tools) if tools else None
+        for text in strings_in(tools):
+            check_text("tools", text)
     except ValueError as e:
         raise APIError(400, str(e), param="tools") from None
     try:
@@ -573,12 +581,17 @@ def completion_prompt(body: dict) -> Any:
                    param="prompt")
 
 
+def prompt_param(prompt: Any) -> str:
+    """The field a parsed prompt came from."""
+    return "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) \
+        else "prompt"
+
+
 def check_context_length(engine: LLMEngine, prompt: Any, params: SamplingParams,
                          tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt's token ids (templated with the tools offered, and tokenized: call it off
     the event loop); raise when prompt + max_tokens exceed ``max_model_len``."""
-    param = "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) \
-        else "prompt"
+    param = prompt_param(prompt)
     limit = engine.max_model_len
     try:
         ids = engine.tokenize(prompt, tools)
@@ -677,8 +690,10 @@ class Server:
                 asyncio.get_running_loop())
         except GrammarError as e:  # the grammar of a format, or of a required tool call
             raise APIError(400, str(e), param=parsed.grammar_param) from None
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+        except InvalidParam as e:  # a parameter checked against the vocabulary or the pool
+            raise APIError(400, str(e), param=param_of(e, body)) from None
+        except (ValueError, TypeError) as e:  # the engine's other checks are the prompt's
+            raise APIError(400, str(e), param=prompt_param(parsed.prompt)) from None
         return parsed, request_id, [(i, q, Timeline()) for i, q in queues], num_prompt
 
     async def outputs(self, request_id: str, queue: asyncio.Queue, timeline: Timeline):

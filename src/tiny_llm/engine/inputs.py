@@ -14,7 +14,7 @@ from typing import Any
 
 from tiny_llm.engine.config import EngineConfig
 from tiny_llm.request import Request
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.sampling import InvalidParam, SamplingParams
 from tiny_llm.structured import Grammars
 from tiny_llm.tokenizer import Tokenizer, check_text, strings_in
 from tiny_llm.tool_calls import check_tool_message, check_tools, template_messages
@@ -150,15 +150,18 @@ class InputProcessor:
         vocab = self.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidParam("stop_token_ids", f"stop_token_ids out of the vocabulary "
+                               f"[0, {vocab}): {bad[:5]}")
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
-            raise ValueError(f"logit_bias keys out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidParam("logit_bias", f"logit_bias keys out of the vocabulary "
+                               f"[0, {vocab}): {bad[:5]}")
         capacity = self.capacity_tokens
         longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
                       self.max_model_len)
         if capacity is not None and longest > capacity:
-            raise ValueError(
+            raise InvalidParam(
+                "max_tokens",
                 f"the request may need {longest} tokens of KV cache (prompt "
                 f"{num_prompt_tokens} + max_tokens) but the whole pool holds {capacity}; "
                 "lower max_tokens or enlarge the pool (num_pages, kv_memory_bytes)"
