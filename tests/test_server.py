@@ -586,6 +586,15 @@ NAMED_400S = [  # (endpoint, body, the field its 400 names)
         "name": "f", "parameters": {"type": "object", "properties": {LONE: {}}}}}]}, "tools"),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 2, "min_tokens": 3},
      "min_tokens"),
+    # a grammar no output can match (it compiles, but admits nothing)
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "[^\\s\\S]"}},
+     "structured_outputs"),
+    ("chat/completions", {"messages": HI, "structured_outputs": {"regex": "x[^\\s\\S]"}},
+     "structured_outputs"),
+    ("chat/completions", {"messages": HI, "response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {
+                              "type": "string", "pattern": "[^\\s\\S]"}}}},
+     "response_format"),
 ]
 
 

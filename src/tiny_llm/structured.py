@@ -125,6 +125,10 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the structured output does not compile: {matcher.get_error()}")
+        matcher.compute_bitmask()  # a grammar that no output matches fails its first mask
+        if matcher.is_error():
+            raise GrammarError("the structured output can never be matched: no output "
+                               "satisfies it")
         return matcher
 
 
