@@ -925,6 +925,44 @@ def test_structured_outputs_as_the_openai_client_asks_for_them(served, client):
     settled(server)
 
 
+def test_a_grammar_compiling_holds_back_its_own_request_alone(served, monkeypatch):
+    """While a request's grammar compiles (here, until the test lets it go on), another
+    request is admitted and served; the constrained one is served once its grammar is
+    compiled. Compiling under the admission lock, the other would wait for it."""
+    url, server = served
+    grammars = server.engine.inputs.grammars
+    compile_grammar = grammars._compile
+    compiling, go = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def held(spec):
+        if spec.regex == "held[0-9]{3}":
+            compiling.set()
+            events.append("compiled" if go.wait(timeout=30) else "the compile gave up waiting")
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(grammars, "_compile", held)
+    constrained: list[tuple[int, str]] = []
+    poster = threading.Thread(target=lambda: constrained.append(http(
+        f"{url}/v1/completions", {"prompt": "Code:", "max_tokens": 10,
+                                  "structured_outputs": {"regex": "held[0-9]{3}"}})))
+    poster.start()
+    assert compiling.wait(timeout=60)
+    status, text = http(f"{url}/v1/completions", {"prompt": "Meanwhile", "max_tokens": 4,
+                                                   "temperature": 0})
+    events.append("the other served")
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["text"] == alone(server, "Meanwhile", max_tokens=4,
+                                                           temperature=0)
+    go.set()
+    poster.join()
+    assert events == ["the other served", "compiled"]
+    status, text = constrained[0]
+    assert status == 200 and re.fullmatch("held[0-9]{3}",
+                                          json.loads(text)["choices"][0]["text"]), text
+    settled(server)
+
+
 def test_n_samples_come_back_as_choices(served, client):
     """n=3: three choices, each the request served alone with seed + index, streamed and
     not; usage counts the prompt once and every sample's tokens; the server holds nothing

@@ -8,7 +8,8 @@ One thread drives the engine (``EngineLoop``): it calls ``engine.step()`` while 
 are unfinished and sleeps otherwise. HTTP handlers run on the event loop and never hold
 the engine's lock, nor do work that grows with a request's size there: reading the body
 stops at ``max_body_bytes``, and parsing it, templating and tokenizing, and adding a request
-happen in worker threads (an add waits at most one step for the lock). Each request's
+happen in worker threads (an add waits at most one step for the lock); a structured
+output's grammar is compiled before the add, in threads of its own. Each request's
 outputs reach its handler through its own ``asyncio.Queue``. A request joins the running
 batch at the next step. A client that disconnects has its request aborted: the handler
 posts the id to the engine thread without waiting (a cancelled handler cannot lose it),
@@ -43,6 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -62,6 +64,7 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt as token ids is about 1 MB
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after the first signal
 API_KEY_ENV = "TINY_LLM_API_KEY"
+GRAMMAR_THREADS = 2  # grammars compiled at once; more wait for a thread, other requests do not
 
 
 class APIError(Exception):
@@ -623,6 +626,7 @@ class Server:
         self.engine, self.model_name = engine, model_name
         self.max_body_bytes, self.api_key, self.key_for_all = max_body_bytes, api_key, key_for_all
         self.loop = EngineLoop(engine, max_waiting)
+        self.compiler = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tiny-llm-grammar")
         self.metrics = Metrics(engine, lambda: self.loop.num_aborted)
         self.created = int(time.time())
         self.shutting_down = False
@@ -683,18 +687,31 @@ class Server:
         ids = await asyncio.to_thread(check_context_length, self.engine, parsed.prompt,
                                       parsed.params, parsed.tool_use.tools)
         num_prompt = len(ids)
+        await self.compile_grammar(parsed)
         try:
             # the ids, not the prompt: the engine need not template and tokenize it again
             request_id, queues = await asyncio.to_thread(
                 self.loop.add, {"prompt_token_ids": ids}, parsed.params,
                 asyncio.get_running_loop())
-        except GrammarError as e:  # the grammar of a format, or of a required tool call
-            raise APIError(400, str(e), param=parsed.grammar_param) from None
         except InvalidParam as e:  # a parameter checked against the vocabulary or the pool
             raise APIError(400, str(e), param=param_of(e, body)) from None
         except (ValueError, TypeError) as e:  # the engine's other checks are the prompt's
             raise APIError(400, str(e), param=prompt_param(parsed.prompt)) from None
         return parsed, request_id, [(i, q, Timeline()) for i, q in queues], num_prompt
+
+    async def compile_grammar(self, parsed: ParsedRequest) -> None:
+        """Compile the output's grammar (a format's, or a required tool call's) before the
+        request is added, in the compiler's own threads: a grammar that takes seconds holds
+        back its own request alone, never the admission lock nor the worker threads other
+        requests are parsed in. The engine keeps it compiled; the add copies its matcher."""
+        structured = parsed.params.structured
+        if structured is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.compiler, self.engine.inputs.grammars.constraint, structured)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=parsed.grammar_param) from None
 
     async def outputs(self, request_id: str, queue: asyncio.Queue, timeline: Timeline):
         """The request's outputs until it finishes; aborts it if the consumer stops early
@@ -1091,6 +1108,7 @@ def build_app(server: Server):
             yield
         finally:
             server.loop.stop()
+            server.compiler.shutdown(wait=False, cancel_futures=True)
 
     return Starlette(routes=[
         Route("/v1/chat/completions", guarded(chat, True), methods=["POST"]),
