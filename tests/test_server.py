@@ -586,6 +586,8 @@ NAMED_400S = [  # (endpoint, body, the field its 400 names)
         "name": "f", "parameters": {"type": "object", "properties": {LONE: {}}}}}]}, "tools"),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 2, "min_tokens": 3},
      "min_tokens"),
+    ("chat/completions", {"messages": [*HI, {"role": "tool", "content": "12:00",
+                                             "tool_call_id": 5}]}, "messages"),
     # a grammar no output can match (it compiles, but admits nothing)
     ("completions", {"prompt": "hi", "structured_outputs": {"regex": "[^\\s\\S]"}},
      "structured_outputs"),
@@ -699,6 +701,36 @@ def test_vllm_sampling_extensions_are_honoured(served):
     status, text = http(f"{url}/v1/completions", {"prompt": "Hello",
                                                    "logit_bias": {"4900000": 1}})
     assert status == 400 and "logit_bias keys out of the vocabulary" in text
+    settled(server)
+
+
+NAMING_TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}"
+                   ": {{ m.content }}\n{% endfor %}assistant:")
+
+
+def test_a_messages_name_reaches_the_chat_template(served, client, monkeypatch):
+    """A message's name goes to the template as the message's ``name``, as transformers
+    passes it (here a template that writes it); a name that is not OpenAI's (a string of
+    letters, digits, _ and -) is a 400 naming messages, and a null one is none."""
+    url, server = served
+    tokenizer = server.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", NAMING_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Who am I?", "name": "alice_2"}]
+    ids = tokenizer.encode("system: Be brief.\nuser (alice_2): Who am I?\nassistant:",
+                           add_special_tokens=False)
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                         temperature=0)
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.choices[0].message.content == served_alone(
+        server.engine.model, tokenizer, ids, SamplingParams(max_tokens=4, temperature=0))[1]
+    for name in (5, ["alice"], "two words", "", "a<|im_end|>"):
+        status, text = http(f"{url}/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi", "name": name}]})
+        assert status == 400 and json.loads(text)["error"]["param"] == "messages", (name, text)
+    status, text = http(f"{url}/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi", "name": None}]})
+    assert status == 200, text
     settled(server)
 
 

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -541,35 +542,55 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
 
 
 def chat_messages(body: dict) -> list[dict[str, Any]]:
-    """The conversation in the engine's shape: role and content, an assistant turn's
-    ``tool_calls`` and a tool result's ``tool_call_id``."""
+    """The conversation in the engine's shape (``chat_message``)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, "each message needs a role and a content", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
-        if role not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
-                           "(or developer)", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, "only text content parts, each with a string 'text', are "
-                               "supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        message = {"role": role, "content": content}
-        if role == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = m["tool_calls"]  # checked with the conversation
-        elif not isinstance(content, str):
-            raise APIError(400, "message content must be a string", param="messages")
-        if role == "tool" and m.get("tool_call_id") is not None:
-            message["tool_call_id"] = m["tool_call_id"]
-        out.append(message)
-    return out
+    return [chat_message(i, m) for i, m in enumerate(messages)]
+
+
+def chat_message(i: int, m: Any) -> dict[str, Any]:
+    """Message ``i``: role and content, a participant's ``name`` (the template reads it, as
+    ``transformers`` passes it), an assistant turn's ``tool_calls`` and a tool result's
+    ``tool_call_id``."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(400, "each message needs a role and a content", param="messages")
+    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
+    if role not in CHAT_ROLES:
+        raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
+                       "(or developer)", param="messages")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, "only text content parts, each with a string 'text', are "
+                           "supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    message = {"role": role, "content": content}
+    if role == "assistant" and m.get("tool_calls"):
+        message["tool_calls"] = m["tool_calls"]  # checked with the conversation
+    elif not isinstance(content, str):
+        raise APIError(400, "message content must be a string", param="messages")
+    return message | message_ids(i, m, role)
+
+
+def message_ids(i: int, m: dict, role: str) -> dict[str, str]:
+    """Message ``i``'s ``name`` and, for a tool result, its ``tool_call_id``: strings
+    (null: none), a name as OpenAI's rule has it (letters, digits, _ and -)."""
+    ids = {}
+    name = m.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise APIError(400, f"messages[{i}].name must be a string of letters, digits, _ "
+                           "or -", param="messages")
+        ids["name"] = name
+    call_id = m.get("tool_call_id")
+    if role == "tool" and call_id is not None:
+        if not isinstance(call_id, str):
+            raise APIError(400, f"messages[{i}].tool_call_id must be a string",
+                           param="messages")
+        ids["tool_call_id"] = call_id
+    return ids
 
 
 def completion_prompt(body: dict) -> Any:
