@@ -588,6 +588,10 @@ NAMED_400S = [  # (endpoint, body, the field its 400 names)
      "min_tokens"),
     ("chat/completions", {"messages": [*HI, {"role": "tool", "content": "12:00",
                                              "tool_call_id": 5}]}, "messages"),
+    # a tool's parameters are a JSON schema, strict or not, whatever the choice
+    *[("chat/completions", {"messages": HI, "tool_choice": choice, "tools": [{
+        "type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+       "tools") for choice in (None, "auto", "none", "required")],
     # a grammar no output can match (it compiles, but admits nothing)
     ("completions", {"prompt": "hi", "structured_outputs": {"regex": "[^\\s\\S]"}},
      "structured_outputs"),

@@ -99,8 +99,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         strict = function.get("strict")
         if strict not in (None, True, False):
             raise ValueError(f"tools[{i}].function.strict must be a boolean")
-        if strict:
-            _check_schema(i, parameters)
+        _check_schema(i, parameters)  # strict or not, whatever the tool_choice
         checked.append({"type": "function", "function": {
             "name": name, **({"description": description} if description else {}),
             "parameters": parameters, **({"strict": True} if strict else {})}})
@@ -108,7 +107,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _check_schema(i: int, schema: dict[str, Any]) -> None:
-    """A strict tool's parameters: a JSON schema its calls can be checked against."""
+    """A tool's parameters: a JSON schema its calls can be checked against (a strict
+    tool's calls are; a grammar holds a required call to it)."""
     from jsonschema import Draft202012Validator, SchemaError
     from referencing.exceptions import Unresolvable
 
