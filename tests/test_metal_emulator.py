@@ -8,7 +8,9 @@ Three groups:
   the emulator's examples (globbed, so new kernels are covered), and flags
   deliberately bad snippets;
 * MLX's JIT wrapper (``mlx_jit``): the ``[[kernel]]`` source ``mx.fast.metal_kernel``
-  writes around a body, character for character, and a run of it;
+  writes around a body, character for character, and a run of it; what ``run_on_metal``
+  brings back from MLX in a fresh interpreter, and the thread limit
+  ``pipeline_thread_limit`` reads from MLX's refusal;
 * planted bugs: one-line mutations of the example kernels, applied as string
   replacements, each caught in the specific way expected (an out-of-bounds or
   barrier report, a mismatch with the reference, or a difference between
@@ -39,6 +41,7 @@ from metal_emulator import (  # noqa: E402
     EmulatorError,
     MetalCompileError,
     MetalLibrary,
+    MetalRunError,
     MetalSourceError,
     Out,
     OutOfBoundsError,
@@ -51,6 +54,8 @@ from metal_emulator import (  # noqa: E402
     lint_metal,
     lint_source,
     mlx_printed_source,
+    pipeline_thread_limit,
+    run_on_metal,
     run_plan,
     run_schedules,
 )
@@ -413,6 +418,38 @@ def test_constant_pointer_does_not_convert_to_device_pointer(tmp_path: Path) -> 
     ok = axpy_plan(16, np.full(1, 2.5, np.float32))
     x, y, _ = ok["inputs"]
     np.testing.assert_allclose(run_plan(ok, tmp_path / "axpy.metal")["out"], 2.5 * x + y)
+
+
+def test_run_on_metal_returns_what_mlx_raised() -> None:
+    # The plan crosses to a fresh interpreter, MLX builds its kernel there, and what MLX
+    # raises comes back in its words: here, that it has no Metal back-end.
+    plan = axpy_plan(16, np.full(8, 2.5, np.float32))
+    with pytest.raises(MetalRunError, match=r"^RuntimeError: .*No Metal back-end"):
+        run_on_metal(plan)
+    # A refusal that names no thread limit is not read as one.
+    with pytest.raises(MetalRunError, match="No Metal back-end"):
+        pipeline_thread_limit(plan)
+
+
+def test_pipeline_thread_limit_reads_the_limit_mlx_names(monkeypatch) -> None:
+    # MLX 0.32's refusal (CustomKernel::eval_gpu), for a threadgroup over Metal's 1024.
+    from metal_emulator import mlx_jit
+
+    asked = []
+
+    def refuse(plan: dict, *, threadgroup: tuple[int, int, int]) -> list:
+        asked.append(threadgroup)
+        raise MetalRunError(f"ValueError: Thread group size ({threadgroup[0]}) is greater than "
+                            " the maximum allowed threads per threadgroup (896).")
+
+    plan = axpy_plan(16, np.full(8, 2.5, np.float32))
+    monkeypatch.setattr(mlx_jit, "run_on_metal", refuse)
+    assert pipeline_thread_limit(plan) == 896
+    assert asked == [(1024 + 32, 1, 1)]
+    # An MLX that launched it would not refuse a pipeline's smaller limit either.
+    monkeypatch.setattr(mlx_jit, "run_on_metal", lambda plan, *, threadgroup: [])
+    with pytest.raises(RuntimeError, match="without refusing"):
+        pipeline_thread_limit(plan)
 
 
 # -------------------------------------------------------------------- lint

@@ -24,7 +24,14 @@ from .harness import (
     run_schedules,
 )
 from .lint import lint_metal, lint_source
-from .mlx_jit import kernel_source, mlx_printed_source, run_plan
+from .mlx_jit import (
+    MetalRunError,
+    kernel_source,
+    mlx_printed_source,
+    pipeline_thread_limit,
+    run_on_metal,
+    run_plan,
+)
 from .source import MetalSourceError
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "EmulatorError",
     "MetalCompileError",
     "MetalLibrary",
+    "MetalRunError",
     "MetalSourceError",
     "OutOfBoundsError",
     "Out",
@@ -47,6 +55,8 @@ __all__ = [
     "mlx_printed_source",
     "lint_metal",
     "lint_source",
+    "pipeline_thread_limit",
+    "run_on_metal",
     "run_plan",
     "run_schedules",
 ]

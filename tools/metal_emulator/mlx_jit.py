@@ -28,11 +28,18 @@ source it would compile, without compiling it, so a test can hold ``kernel_sourc
 MLX itself and see when a new MLX writes its kernels differently.
 Not reproduced: MLX prepends its own ``utils.h`` (the shim provides the types it defines,
 such as ``float16_t`` and ``bfloat16_t``) and Metal's math mode.
+
+On a Mac, ``run_on_metal`` runs a plan on the GPU through ``mx.fast.metal_kernel`` itself,
+and ``pipeline_thread_limit`` reads the most threads a threadgroup of the plan's compiled
+pipeline may have (Metal's ``maxTotalThreadsPerThreadgroup``, which depends on the kernel's
+registers and is known only once a device has built it): MLX's Python API does not expose
+it, but MLX refuses, before dispatching anything, a threadgroup larger than it and names it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -43,8 +50,8 @@ import numpy as np
 
 from .harness import DEFAULT_SCHEDULES, Out, Outputs, Sparse, compile_metal, run_schedules
 
-__all__ = ["PLAN_KEYS", "kernel_name", "kernel_source", "mlx_printed_source", "run_plan",
-           "type_string"]
+__all__ = ["PLAN_KEYS", "MetalRunError", "kernel_name", "kernel_source", "mlx_printed_source",
+           "pipeline_thread_limit", "run_on_metal", "run_plan", "type_string"]
 
 #: What a launch plan holds (extra keys are ignored).
 PLAN_KEYS = (
@@ -256,27 +263,51 @@ def run_plan(
     return Outputs({n: out[n] for n in plan["output_names"]}, {})
 
 
-# Run by mlx_printed_source in a fresh interpreter: MLX prints from C++ (std::cout), which
-# only a child process's captured stdout sees whole.
-_PRINT_SOURCE = """
+# A plan's kernel in a fresh interpreter, from its JSON spec (_spec) on stdin: MLX prints
+# from C++ (std::cout), which only a child process's captured stdout sees whole, and an
+# error in MLX's evaluation leaves nothing behind in the caller's MLX.
+_KERNEL = """
 import json, sys, tempfile
 import mlx.core as mx
-plan = json.load(sys.stdin)
+import numpy as np
+spec = json.load(sys.stdin)
 dtype = lambda name: getattr(mx, name)
 kernel = mx.fast.metal_kernel(
-    name=plan["name"], input_names=plan["input_names"], output_names=plan["output_names"],
-    source=plan["source"], header=plan["header"],
-    ensure_row_contiguous=plan["ensure_row_contiguous"], atomic_outputs=plan["atomic_outputs"])
-inputs = [mx.zeros(shape, dtype=dtype(name)) for shape, name in plan["inputs"]]
-template = [(n, dtype(v) if kind == "dtype" else v) for n, kind, v in plan["template_args"]]
-def launch(*arrays):
-    return kernel(inputs=list(arrays), template=template, grid=tuple(plan["grid"]),
-                  threadgroup=tuple(plan["threadgroup"]),
-                  output_shapes=[tuple(s) for s in plan["output_shapes"]],
-                  output_dtypes=[dtype(d) for d in plan["output_dtypes"]], verbose=True)
+    name=spec["name"], input_names=spec["input_names"], output_names=spec["output_names"],
+    source=spec["source"], header=spec["header"],
+    ensure_row_contiguous=spec["ensure_row_contiguous"], atomic_outputs=spec["atomic_outputs"])
+template = [(n, dtype(v) if kind == "dtype" else v) for n, kind, v in spec["template_args"]]
+def call(arrays, **options):
+    return kernel(inputs=list(arrays), template=template, grid=tuple(spec["grid"]),
+                  threadgroup=tuple(spec["threadgroup"]),
+                  output_shapes=[tuple(s) for s in spec["output_shapes"]],
+                  output_dtypes=[dtype(d) for d in spec["output_dtypes"]], **options)
 print("<<<")
+"""
+
+# Prints the source MLX writes: a kernel called with verbose=True while mx.export_function
+# traces it prints the text without compiling it.
+_PRINT_SOURCE = _KERNEL + """
+inputs = [mx.zeros(shape, dtype=dtype(name)) for shape, name, *_ in spec["inputs"]]
+def launch(*arrays):
+    return call(arrays, verbose=True)
 with tempfile.TemporaryDirectory() as d:
     mx.export_function(d + "/kernel.mlxfn", launch, *inputs)
+"""
+
+# Runs the kernel on the GPU; prints its outputs (as float32) or the error MLX raised.
+_RUN = _KERNEL + """
+def host(values, shape, name):
+    kind = np.float32 if mx.issubdtype(dtype(name), mx.floating) else np.int64
+    return mx.array(np.array(values, kind).reshape(shape)).astype(dtype(name))
+inputs = [host(values, shape, name) for shape, name, values in spec["inputs"]]
+try:
+    outputs = call(inputs, stream=mx.gpu)
+    mx.eval(outputs)
+except Exception as error:  # reported to the caller as MLX worded it
+    json.dump({"error": f"{type(error).__name__}: {error}"}, sys.stdout)
+else:
+    json.dump({"outputs": [o.astype(mx.float32).tolist() for o in outputs]}, sys.stdout)
 """
 
 
@@ -288,22 +319,90 @@ def _template_kind(arg: Any) -> list[Any]:
     return ["dtype", _dtype_name(arg)]
 
 
-def mlx_printed_source(plan: Mapping[str, Any]) -> str:
-    """The ``[[kernel]]`` source the installed MLX writes for ``plan``, as it prints it."""
+def _input_values(a: Any) -> Any:
+    """An input's elements as nested lists (bfloat16 through float32, exactly)."""
+    if _dtype_name(a.dtype) == "bfloat16":
+        import mlx.core as mx
+
+        a = a.astype(mx.float32)
+    return np.array(a).tolist()
+
+
+def _spec(plan: Mapping[str, Any], *, values: bool) -> dict[str, Any]:
+    """The plan as JSON for _KERNEL; ``values``: with the inputs' elements, not only their
+    shapes and dtypes."""
     spec = {key: plan[key] for key in ("name", "input_names", "output_names", "source",
                                        "header", "ensure_row_contiguous", "atomic_outputs")}
-    spec["inputs"] = [[list(a.shape), _dtype_name(a.dtype)] for a in plan["inputs"]]
+    spec["inputs"] = [[list(a.shape), _dtype_name(a.dtype), *([_input_values(a)] if values else [])]
+                      for a in plan["inputs"]]
     spec["output_shapes"] = [list(s) for s in plan["output_shapes"]]
     spec["output_dtypes"] = [_dtype_name(d) for d in plan["output_dtypes"]]
     spec["grid"], spec["threadgroup"] = list(plan["grid"]), list(plan["threadgroup"])
     spec["template_args"] = [[n, *_template_kind(v)] for n, v in plan["template_args"]]
-    run = subprocess.run([sys.executable, "-c", _PRINT_SOURCE], input=json.dumps(spec),
+    return spec
+
+
+def _run_child(script: str, spec: dict[str, Any], what: str) -> str:
+    """What ``script`` prints after its marker, given ``spec``."""
+    run = subprocess.run([sys.executable, "-c", script], input=json.dumps(spec),
                          capture_output=True, text=True, timeout=120)
     if run.returncode:
-        raise RuntimeError(f"MLX did not print the kernel's source: {run.stderr[-2000:]}")
-    printed = run.stdout.split("<<<\n", 1)[-1]
+        raise RuntimeError(f"MLX did not {what}: {run.stderr[-2000:]}")
+    return run.stdout.split("<<<\n", 1)[-1]
+
+
+def mlx_printed_source(plan: Mapping[str, Any]) -> str:
+    """The ``[[kernel]]`` source the installed MLX writes for ``plan``, as it prints it."""
+    printed = _run_child(_PRINT_SOURCE, _spec(plan, values=False), "print the kernel's source")
     start = printed.find("```\n")
     end = printed.rfind("\n```")
     if start < 0 or end <= start:
         raise RuntimeError(f"MLX printed no kernel source: {printed[:500]!r}")
     return printed[start + 4 : end]
+
+
+class MetalRunError(RuntimeError):
+    """What MLX raised for a plan it would not or could not run on this GPU."""
+
+
+def run_on_metal(
+    plan: Mapping[str, Any], *, threadgroup: tuple[int, int, int] | None = None
+) -> list[np.ndarray]:
+    """The plan's outputs (as float32) computed on this machine's Metal GPU by
+    ``mx.fast.metal_kernel``, in a fresh interpreter; ``threadgroup`` replaces the plan's.
+    Raises MetalRunError with MLX's message where MLX refuses the launch or the device
+    fails it."""
+    spec = _spec(plan, values=True)
+    if threadgroup is not None:
+        spec["threadgroup"] = list(threadgroup)
+    result = json.loads(_run_child(_RUN, spec, "run the kernel"))
+    if "error" in result:
+        raise MetalRunError(result["error"])
+    return [np.array(out, np.float32).reshape(shape)
+            for out, shape in zip(result["outputs"], plan["output_shapes"], strict=True)]
+
+
+#: The most threads a Metal threadgroup may have, on every device (Apple's feature set
+#: tables); a pipeline may allow fewer.
+METAL_MAX_THREADS = 1024
+
+# MLX's refusal (CustomKernel::eval_gpu, mlx/backend/metal/custom_kernel.cpp, MLX 0.32).
+_REFUSAL = re.compile(r"maximum allowed threads per threadgroup \((\d+)\)")
+
+
+def pipeline_thread_limit(plan: Mapping[str, Any]) -> int:
+    """The most threads a threadgroup of the plan's compiled pipeline may have on this GPU
+    (``maxTotalThreadsPerThreadgroup``). Asked with a threadgroup one simdgroup larger than
+    any Metal device takes, MLX refuses the launch, before dispatching it, naming the limit.
+    Raises RuntimeError if MLX does not refuse: then a pipeline limit under a plan's
+    threadgroup would not be refused either."""
+    oversized = (METAL_MAX_THREADS + 32, 1, 1)
+    try:
+        run_on_metal(plan, threadgroup=oversized)
+    except MetalRunError as error:
+        limit = _REFUSAL.search(str(error))
+        if limit is None:
+            raise
+        return int(limit.group(1))
+    raise RuntimeError(f"MLX launched {oversized[0]} threads per threadgroup without refusing "
+                       "them: it would not refuse a pipeline's smaller limit either")
