@@ -14,19 +14,26 @@ Groups:
 * ragged cases (context lengths 1, page-1, page, page+1 and many pages; shuffled pages;
   GQA 1/3/4/5/8 and the default model's 9/3 heads; multi-query rows with a causal
   offset mixed with single-query rows; NaN garbage in every slot and page nobody may
-  read; float and half), through both plans: ``tiled=False`` (Day 4, the vector schedule
-  for every row) and ``tiled=True`` (Day 5, vector rows + tiled multi-token queries);
-* the geometry rule, one for host and kernel (``check_metal_geometry``);
+  read; float, half and bfloat; the largest geometries the launcher accepts), through
+  both plans: ``tiled=False`` (Day 4, the vector schedule for every row) and
+  ``tiled=True`` (Day 5, vector rows + tiled multi-token queries);
+* the geometry rule, one for host and kernel (``check_metal_geometry``), whose largest
+  geometries are cases here and kernels that ``make metal-check`` compiles;
 * the MSL-subset lint on every .metal file and on the generated kernel sources;
 * planted bugs in the kernel source (one-line mutations of the plan's header), and in
   the host side (the plan's grid, params, padding, template arguments, threadgroup), each
   caught in the way expected;
-* the same cases on the GPU, and a GPU end-to-end run (skipped where Metal is missing).
+* the same cases on the GPU, the thread limit of the largest geometries' pipelines, and a
+  GPU end-to-end run (skipped where Metal is missing; where the GPU lacks a feature a
+  plan's kernel needs, its tests say which, found by a probe kernel).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -43,16 +50,22 @@ import tiny_llm  # noqa: E402, F401  (before mlx: it sets up MLX's CPU BLAS)
 from tiny_llm import learner  # noqa: E402
 from tiny_llm.testing.paged import float64_reference, make_paged_case  # noqa: E402
 
+from metal_check import largest_geometries  # noqa: E402
+from metal_check import sources as metal_check_sources  # noqa: E402
 from metal_emulator import (  # noqa: E402
     DEFAULT_SCHEDULES,
+    MetalRunError,
     Sparse,
     bfloat16_to_float32,
     kernel_source,
     lint_metal,
     lint_source,
     mlx_printed_source,
+    pipeline_thread_limit,
+    run_on_metal,
     run_plan,
 )
+from metal_emulator.mlx_jit import type_string  # noqa: E402
 
 # The kernels under test: the learner's copy in course mode (tiny_llm.learner), else src/.
 _WORKSPACE = learner.workspace()
@@ -72,6 +85,15 @@ needs_emulator = pytest.mark.skipif(
 
 
 # ------------------------------------------------------------------- cases
+
+
+DTYPES = {"float": "float32", "half": "float16", "bfloat": "bfloat16"}  # a case's -> MLX's
+
+
+def mx_dtype(name: str) -> Any:
+    import mlx.core as mx
+
+    return getattr(mx, DTYPES[name])
 
 
 @dataclass(frozen=True)
@@ -98,9 +120,7 @@ class MetalCase:
 
     @property
     def mx_dtype(self) -> Any:
-        import mlx.core as mx
-
-        return {"float": mx.float32, "half": mx.float16, "bfloat": mx.bfloat16}[self.dtype]
+        return mx_dtype(self.dtype)
 
     def __str__(self) -> str:
         return self.name
@@ -132,6 +152,21 @@ CASES = [
     MetalCase("qwen3_0.6b_bf16_16q8kv", "bfloat", 128, 2, 8, 16, ((40, 1), (19, 5)), seed=11),
     # A group that does not divide the 64 pairs of a tile: 12 rows of 5 heads, 4 pairs idle.
     MetalCase("gqa5_f32", "float", 64, 5, 2, 8, ((30, 13), (8, 1), (12, 12)), seed=9),
+    # The largest geometries the launcher accepts (test_the_largest_accepted_geometries_are
+    # _cases), in every dtype. head_dim 256 with a group of 13 (32,576 of 32,768 bytes of
+    # threadgroup memory): 32 simdgroup matrices of Q and 32 of O per tiled thread, 8 lanes'
+    # worth of each head per vector thread; a decode of 9 pages (simdgroup 0 walks two),
+    # 5 query rows in tiles of 4. A group of 64 at head_dim 80 (31,744 bytes): 64 softmax
+    # states per vector thread, tiles of one row.
+    MetalCase("largest_head_dim_f32_256_gqa13", "float", 256, 13, 2, 8,
+              ((1, 1), (70, 1), (12, 5)), seed=20),
+    MetalCase("largest_head_dim_f16_256_gqa13", "half", 256, 13, 2, 8,
+              ((1, 1), (70, 1), (12, 5)), seed=21),
+    MetalCase("largest_head_dim_bf16_256_gqa13", "bfloat", 256, 13, 2, 8,
+              ((1, 1), (70, 1), (12, 5)), seed=22),
+    MetalCase("largest_group_f32_gqa64_80", "float", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=23),
+    MetalCase("largest_group_f16_gqa64_80", "half", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=24),
+    MetalCase("largest_group_bf16_gqa64_80", "bfloat", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=25),
 ]  # fmt: skip
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -344,6 +379,28 @@ def test_unsupported_geometry_is_refused_naming_the_model(args, why) -> None:
     assert f"head_dim {head_dim}" in msg and f"page_size {page_size}" in msg and "float32" in msg
 
 
+def test_the_largest_accepted_geometries_are_cases() -> None:
+    # The launcher accepts only what the emulator has run: the corners of what
+    # check_metal_geometry accepts (the largest head_dim with its largest group, the largest
+    # group with its largest head_dim), in every dtype, are cases, so both plans run them
+    # (and on a Mac the GPU tests below). Raising a limit fails here until a case runs it.
+    cases = {(c.dtype, c.head_dim, c.group) for c in CASES}
+    largest = {(dtype, head_dim, group) for dtype in DTYPES
+               for _, head_dim, group in largest_geometries(mx_dtype(dtype))}
+    assert len(largest) == 2 * len(DTYPES)
+    assert largest - cases == set()
+
+
+def test_metal_check_compiles_the_largest_accepted_geometries() -> None:
+    # make metal-check compiles, with Apple's compiler, the kernels of those corners too.
+    emitted = metal_check_sources()
+    for dtype in DTYPES:
+        for name, head_dim, group in largest_geometries(mx_dtype(dtype)):
+            for plan in PLANS:
+                text = emitted[f"{name}-{DTYPES[dtype]}-{plan}.metal"]
+                assert f"<{type_string(mx_dtype(dtype))}, {head_dim}, {group}>" in text
+
+
 # -------------------------------------------------------------------- lint
 
 
@@ -379,6 +436,145 @@ def _metal_available() -> bool:
 needs_gpu = pytest.mark.skipif(not _metal_available(), reason="needs an Apple GPU (mx.metal)")
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A kernel of a few lines that needs one Metal feature, and the output it must give:
+    whether a GPU runs the feature is found by running it, since a virtual GPU (GitHub's
+    macOS runners' "Apple Paravirtual device") may lack a feature or misreport its family."""
+
+    feature: str  # what a skip names
+    source: str  # the kernel body (mx.fast.metal_kernel's `source`)
+    inputs: tuple[tuple[str, np.ndarray], ...]
+    expected: np.ndarray
+
+    def plan(self, name: str) -> dict[str, Any]:
+        """A launch plan of one simdgroup, as metal_launch_plan returns them."""
+        import mlx.core as mx
+
+        return {
+            "name": f"tiny_llm_probe_{name}", "input_names": [n for n, _ in self.inputs],
+            "output_names": ["out"], "source": self.source,
+            "header": "#include <metal_stdlib>\nusing namespace metal;\n",
+            "ensure_row_contiguous": True, "atomic_outputs": False,
+            "inputs": [mx.array(a) for _, a in self.inputs],
+            "output_shapes": [self.expected.shape], "output_dtypes": [mx.float32],
+            "grid": (32, 1, 1), "threadgroup": (32, 1, 1), "template_args": [],
+        }  # fmt: skip
+
+
+_LANES = np.arange(1, 33, dtype=np.float32) / 8  # sums exactly, in any order
+_A = (np.arange(64) % 5 - 2).reshape(8, 8).astype(np.float32)  # small integers: exact
+_B = (np.arange(64)[::-1] % 7 - 3).reshape(8, 8).astype(np.float32)
+
+# The two features of the kernels beyond Metal's core, both of the Apple7 GPU family (A14,
+# M1) and later: the vector schedule's dot products are simd_sum reductions, the tiled
+# schedule's tiles are simdgroup_matrix products.
+PROBES = {
+    "simd_sum": Probe(
+        "simd_sum (SIMD-scoped reductions, Apple7 GPU family and later)",
+        "  const float total = simd_sum(x[thread_index_in_simdgroup]);\n"
+        "  if (thread_index_in_simdgroup == 0) {\n"
+        "    out[0] = total;\n"
+        "  }\n",
+        (("x", _LANES),), np.array([_LANES.sum()], np.float32)),
+    "simdgroup_matrix": Probe(
+        "simdgroup_matrix (SIMD-scoped matrix multiplies, Apple7 GPU family and later)",
+        "  simdgroup_matrix<float, 8, 8> a_tile;\n"
+        "  simdgroup_matrix<float, 8, 8> b_tile;\n"
+        "  simdgroup_matrix<float, 8, 8> product;\n"
+        "  simdgroup_load(a_tile, a, 8);\n"
+        "  simdgroup_load(b_tile, b, 8);\n"
+        "  simdgroup_multiply(product, a_tile, b_tile);\n"
+        "  simdgroup_store(product, out, 8);\n",
+        (("a", _A), ("b", _B)), _A @ _B),
+}  # fmt: skip
+PLAN_FEATURES = {"vector": ("simd_sum",), "flash": ("simd_sum", "simdgroup_matrix")}
+
+
+def gpu_name() -> str:
+    import mlx.core as mx
+
+    info = mx.device_info()
+    return f"{info['device_name']} (architecture {info['architecture']})"
+
+
+@functools.cache
+def missing_feature(feature: str) -> str | None:
+    """Why this GPU does not run ``feature`` (its probe's error or wrong output), or None."""
+    probe = PROBES[feature]
+    try:
+        (got,) = run_on_metal(probe.plan(feature))
+    except MetalRunError as error:
+        return f"{probe.feature} does not run on {gpu_name()}: {error}"
+    if not np.array_equal(got, probe.expected):
+        return (f"{probe.feature} computes wrong values on {gpu_name()}: "
+                f"{got.ravel()[:4].tolist()}... for {probe.expected.ravel()[:4].tolist()}...")
+    return None
+
+
+def require_features(plan: str) -> None:
+    """Skip, naming the feature and the GPU, where this GPU lacks one that the plan's
+    kernel needs."""
+    for feature in PLAN_FEATURES[plan]:
+        why = missing_feature(feature)
+        if why is not None:
+            pytest.skip(why)
+
+
+@needs_emulator
+@pytest.mark.parametrize("feature", PROBES)
+def test_each_probe_computes_its_expected_output(feature: str) -> None:
+    # A probe that fails on a GPU must mean the GPU, not the probe: each runs here, as MLX
+    # would build it, and gives the output a GPU must give.
+    plan = PROBES[feature].plan(feature)
+    assert lint_source(kernel_source(plan)[1], "probe.metal") == []
+    got = run_plan(plan, METAL_DIR / f"probe_{feature}.metal")["out"]
+    np.testing.assert_array_equal(got, PROBES[feature].expected)
+
+
+@pytest.mark.parametrize("failure", ["refused", "zeros"])
+def test_a_gpu_without_a_feature_skips_the_plans_that_need_it(monkeypatch, failure) -> None:
+    # The capability check as a virtual GPU may meet it, faked: simdgroup matrices refused
+    # (the pipeline does not build) or computing zeros. The vector plan's tests still run;
+    # the tiled plan's are skipped, naming the feature and the GPU.
+    import mlx.core as mx
+
+    def run(plan: dict) -> list[np.ndarray]:
+        if "simdgroup_multiply" not in plan["source"]:
+            return [PROBES["simd_sum"].expected]
+        if failure == "refused":
+            raise MetalRunError("RuntimeError: [metal::Device] Unable to build compute pipeline")
+        return [np.zeros(plan["output_shapes"][0], np.float32)]
+
+    monkeypatch.setitem(globals(), "run_on_metal", run)
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "Apple Paravirtual device",
+                                                    "architecture": "paravirtual"})
+    missing_feature.cache_clear()
+    try:
+        require_features("vector")
+        with pytest.raises(pytest.skip.Exception) as skipped:
+            require_features("flash")
+    finally:
+        missing_feature.cache_clear()
+    why = str(skipped.value)
+    assert why.startswith("simdgroup_matrix (SIMD-scoped matrix multiplies, Apple7")
+    assert "Apple Paravirtual device (architecture paravirtual)" in why
+    assert ("Unable to build" if failure == "refused" else "wrong values") in why
+
+
+@needs_gpu
+def test_an_apple7_gpu_runs_every_probe() -> None:
+    # The probes may skip kernel tests on a virtual GPU, never on a real Apple GPU of the
+    # kernels' family (MLX names it applegpu_g13 for M1 and A14, higher after).
+    import mlx.core as mx
+
+    architecture = str(mx.device_info()["architecture"])
+    generation = re.fullmatch(r"applegpu_g(\d+)[a-z]*", architecture)
+    if generation is None or int(generation.group(1)) < 13:
+        pytest.skip(f"{gpu_name()} is not named as an Apple7 GPU or later: the probes decide")
+    assert {f: missing_feature(f) for f in PROBES} == dict.fromkeys(PROBES)
+
+
 @needs_gpu
 @pytest.mark.parametrize("plan,case", PLAN_CASES)
 def test_extension_on_gpu_matches_numpy(plan: str, case: MetalCase) -> None:
@@ -386,6 +582,7 @@ def test_extension_on_gpu_matches_numpy(plan: str, case: MetalCase) -> None:
 
     import mlx.core as mx
 
+    require_features(plan)
     x = inputs(case)
     with mx.stream(mx.gpu):
         out = paged_attention(*mx_inputs(case), x.scale, tiled=PLANS[plan])
@@ -393,6 +590,24 @@ def test_extension_on_gpu_matches_numpy(plan: str, case: MetalCase) -> None:
     # Metal's exp and sums round differently from numpy's.
     tol = {"float": 1e-4, "half": 4e-3, "bfloat": 2e-2}[case.dtype]
     np.testing.assert_allclose(got, x.ref, atol=tol, rtol=tol)
+
+
+LARGEST_PLAN_CASES = [p for p in PLAN_CASES if p.values[1].name.startswith("largest_")]
+
+
+@needs_gpu
+@pytest.mark.parametrize("plan,case", LARGEST_PLAN_CASES)
+def test_the_largest_geometries_pipelines_take_their_threadgroup(
+    plan: str, case: MetalCase
+) -> None:
+    # A pipeline's thread limit depends on the registers its kernel uses, and only the GPU
+    # knows it. The launcher's threadgroups (256 threads) must fit the pipelines of its
+    # largest geometries, which hold the most state per thread. (MLX refuses a larger
+    # threadgroup than a pipeline takes, before dispatching it; pipeline_thread_limit reads
+    # the limit it names.)
+    require_features(plan)
+    launch = plan_for(case, plan)
+    assert pipeline_thread_limit(launch) >= math.prod(launch["threadgroup"])
 
 
 @needs_gpu
@@ -405,6 +620,8 @@ def test_default_model_on_gpu_generates_the_cpu_tokens() -> None:
 
     import mlx.core as mx
 
+    for plan in PLANS:
+        require_features(plan)
     prompts = ["The capital of France is", "def fibonacci(n):", "Three colors are"]
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = {}

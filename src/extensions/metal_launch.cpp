@@ -27,6 +27,12 @@ static_assert(kParamCount >= kMlxConstantArraySize, "params must be passed as de
 // Every geometry check_metal_geometry accepts launches threadgroups of this one size.
 static_assert(kThreadsPerThreadgroup <= kMaxThreadsPerThreadgroup,
               "a threadgroup must fit in one Metal pipeline");
+// A compiled pipeline may take fewer threads than that: its maxTotalThreadsPerThreadgroup
+// falls as its kernel's registers grow, and only the GPU knows it, once it has built the
+// pipeline, which mx::fast::metal_kernel keeps to itself (in C++ as in Python). MLX refuses
+// a threadgroup larger than its pipeline takes before dispatching anything (at evaluation,
+// in MLX's words), so a geometry past it fails at its first step, not silently. On a Mac,
+// tests/test_metal_kernels.py reads that limit for the largest geometries accepted here.
 
 std::string dtype_name(mx::Dtype dtype) {
   if (dtype == mx::float32) return "float32";
@@ -70,6 +76,8 @@ mx::array padded(const mx::array& a, mx::Stream stream) {
 }  // namespace
 
 // ANCHOR: metal_geometry_check
+// Its largest geometries (the largest head_dim, the largest group) are cases the emulator
+// runs in every dtype through both plans, and kernels `make metal-check` compiles.
 void check_metal_geometry(int n_heads, int n_kv_heads, int head_dim, int page_size,
                           mx::Dtype dtype) {
   std::string problem;
