@@ -5,9 +5,15 @@ headers; this machine builds it with GCC. ``tools/clang_check.py`` builds it wit
 and compiles every translation unit for ``arm64-apple-macos14`` (the NEON branches, Apple's
 libc++). Oracles: the compilers themselves (no error, no warning in the project's sources),
 and the GCC build's outputs for the clang build's.
+
+The CI workflow (``.github/workflows/test.yml``) cannot run here: it is parsed, and the shell
+of its macOS ``make metal-check`` step runs against a stand-in ``xcrun`` and ``make``.
 """
 
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +23,7 @@ from tiny_llm.testing.paged import make_paged_case
 import mlx.core as mx
 import numpy as np
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -77,3 +84,64 @@ def test_every_translation_unit_compiles_for_macos_arm64():
     assert any(f.endswith("(course build)") for f, _ in results)  # the learner's kernels too
     failed = {Path(f).name: r.stderr[-2000:] for f, r in results if r.returncode}
     assert failed == {}
+
+
+# ------------------------------------------------------------------ the CI workflow
+
+WORKFLOW = REPO / ".github" / "workflows" / "test.yml"
+
+
+def workflow_steps() -> list[dict]:
+    job = yaml.safe_load(WORKFLOW.read_text())["jobs"]["make-test"]
+    return job["steps"]
+
+
+def test_the_workflow_runs_make_test_on_a_mac_and_on_linux():
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    assert set(workflow[True]) == {"push", "pull_request"}  # YAML 1.1 reads `on` as true
+    job = workflow["jobs"]["make-test"]
+    systems = job["strategy"]["matrix"]["os"]
+    assert any(s.startswith("macos-") for s in systems)
+    assert any(s.startswith("ubuntu-") for s in systems)
+    (test,) = [step for step in job["steps"] if step.get("run") == "make test"]
+    assert "-rs" in test["env"]["PYTEST_ADDOPTS"].split()  # every skip says why
+
+
+def metal_check_step() -> dict:
+    (step,) = [step for step in workflow_steps() if "make metal-check" in step.get("run", "")]
+    return step
+
+
+def run_step(script: str, tmp_path: Path, xcrun: str) -> tuple[str, list[str]]:
+    """``script`` run as GitHub runs a step's shell, with a stand-in ``xcrun`` (this shell
+    text) and a ``make`` that records its arguments; returns its output and the makes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "make.log"
+    for name, text in (("xcrun", xcrun), ("make", f'echo "$*" >> {log}\n')):
+        (bin_dir / name).write_text("#!/bin/sh\n" + text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    return run.stdout, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the step's bash script")
+def test_the_mac_leg_runs_metal_check_where_the_toolchain_is(tmp_path):
+    step = metal_check_step()
+    assert step["if"] == "${{ !cancelled() && runner.os == 'macOS' }}"
+    toolchain = 'test "$*" = "-sdk macosx metal -v" && echo "Apple metal version 32023.1" >&2\n'
+    out, makes = run_step(step["run"], tmp_path, toolchain)
+    assert makes == ["metal-check"] and "::notice" not in out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="runs the step's bash script")
+def test_the_mac_leg_says_why_metal_check_did_not_run(tmp_path):
+    missing = ("echo \"error: cannot execute tool 'metal' due to missing Metal Toolchain; use: "
+               "xcodebuild -downloadComponent MetalToolchain\" >&2\nexit 72\n")
+    out, makes = run_step(metal_check_step()["run"], tmp_path, missing)
+    assert makes == []
+    assert out.startswith("::notice title=make metal-check did not run::")
+    assert "missing Metal Toolchain" in out
