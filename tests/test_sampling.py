@@ -462,7 +462,7 @@ def test_a_penalty_near_zero_keeps_the_row_finite(temperature, penalty):
     assert np.isfinite(penalized[:4]).all() and min(penalized[:2]) > penalized[3]
     assert penalized[2] <= 0 and penalized[4] == -np.inf
     sampler = RequestSampler(p, history)
-    (token,) = sample_next_tokens(mx.array(row[None]), [sampler])
+    (token,) = sample_next_tokens(mx.array(row[None]), [sampler], "processed_logprobs")
     assert token in (0, 1)  # the two seen tokens, both at float32's highest value
     (record,) = sampler.logprobs
     assert all(math.isfinite(lp) for lp in [record.logprob, *(lp for _, lp in record.top)])
@@ -483,7 +483,7 @@ def test_a_huge_penalty_on_a_row_of_seen_negative_logits_keeps_it_finite(penalty
     penalized = penalize(row, p, history)
     assert np.isfinite(penalized[:4]).all() and penalized[4] == -np.inf
     sampler = RequestSampler(p, history)
-    (token,) = sample_next_tokens(mx.array(row[None]), [sampler])
+    (token,) = sample_next_tokens(mx.array(row[None]), [sampler], "processed_logprobs")
     assert token in range(4) and math.isfinite(sampler.logprobs[0].logprob)
 
 
@@ -545,46 +545,114 @@ def test_a_tokens_logprob_and_the_most_likely_ones():
     assert [t for t, _ in record.top] == [1, 2, 0]  # the tie at 3.0 by ascending id
     assert math.isclose(record.top[0][1], 3.0 - log_norm, rel_tol=1e-12)
     assert token_logprob(x, 3, 0).top == ()
-    sampler = RequestSampler(SamplingParams(temperature=2.0, seed=0, logprobs=2))
-    token = sample_next_tokens(mx.array(x[None]), [sampler])[0]
-    (scaled,) = sampler.logprobs  # the record of the row it was drawn from: x / temperature
-    assert scaled == token_logprob(x / np.float32(2.0), token, 2)
+    for mode, drawn_from in (("raw_logprobs", x), ("processed_logprobs", x / np.float32(2.0))):
+        sampler = RequestSampler(SamplingParams(temperature=2.0, seed=0, logprobs=2))
+        token = sample_next_tokens(mx.array(x[None]), [sampler], mode)[0]
+        assert sampler.logprobs == [token_logprob(drawn_from, token, 2)]
 
 
-def test_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
-    """Each token's record against a recomputation: the model's logits at every position of
-    prompt + output in one forward, log-softmaxed; greedy and sampled, alone and batched."""
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_modes_read_the_raw_row_or_the_distribution_drawn_from(temperature):
+    """raw_logprobs: the row as it came, log-softmaxed. processed_logprobs: the distribution
+    the token was drawn from (``filter_logits`` of the penalized row: bias, penalties,
+    temperature, top-k and min-p), the tokens the filters drop never listed; a greedy
+    row's after the bias and penalties only. The mode changes no token."""
+    rng = np.random.default_rng(4)
+    row = rng.normal(0.0, 2.0, 64).astype(np.float32)
+    p = SamplingParams(temperature=temperature, seed=3, top_k=6, min_p=0.05, logprobs=8,
+                       presence_penalty=1.5, logit_bias={5: 4.0, 9: -3.0})
+    history = TokenHistory([1, 2], [int(np.argmax(row)), 7], set())
+    penalized = penalize(row, p, history)
+    tokens, records = {}, {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        sampler = RequestSampler(p, TokenHistory([1, 2], list(history.output_token_ids), set()))
+        tokens[mode] = [sample_next_tokens(mx.array(row[None]), [sampler], mode)[0]
+                        for _ in range(20)]
+        records[mode] = sampler.logprobs
+    assert tokens["raw_logprobs"] == tokens["processed_logprobs"]
+    ids, probs = filter_logits(penalized, p)
+    want = dict(zip(ids.tolist(), np.log(probs).tolist(), strict=True))
+    for token, raw, processed in zip(tokens["raw_logprobs"], records["raw_logprobs"],
+                                     records["processed_logprobs"], strict=True):
+        assert raw == token_logprob(row, token, 8)
+        assert not math.isclose(processed.logprob, raw.logprob, abs_tol=1e-3)
+        if p.greedy:
+            assert processed == token_logprob(penalized, token, 8)
+            continue
+        assert math.isclose(processed.logprob, want[token], abs_tol=1e-6)
+        best = sorted(want, key=lambda t: (-want[t], t))
+        assert [t for t, _ in processed.top] == best and len(best) < 8
+        assert all(math.isclose(lp, want[t], abs_tol=1e-6) for t, lp in processed.top)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_are_the_models_own_or_the_processed_ones(tiny_model, smollm_tokenizer, mode):
+    """Each token's record against a recomputation from the model's logits at every position
+    of prompt + output (one forward): log-softmaxed as they are (``raw_logprobs``, the
+    default), or as the sampler processed them (``processed_logprobs``: the bias and
+    penalties of the tokens before the position, then for a sampled row the temperature
+    and top-k, ``filter_logits``); greedy and sampled, batched, each with the tokens it
+    gets served alone. The two modes differ here, by the bias and the penalties."""
     from tiny_llm.engine import LLMEngine
     from tiny_llm.kv_cache import DenseKVCache
-    from tiny_llm.testing.runs import random_prompts, tokens_of
+    from tiny_llm.testing.runs import random_prompts, served_alone
 
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=5, lo=4, hi=12)]
-    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
-              SamplingParams(temperature=0.7, seed=1, max_tokens=6, ignore_eos=True,
-                             logprobs=0),
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3,
+                             frequency_penalty=1.0, logit_bias={7: 2.0}),
+              SamplingParams(temperature=0.7, seed=1, top_k=40, max_tokens=6, ignore_eos=True,
+                             logprobs=3, repetition_penalty=1.5, logit_bias={7: 3.0}),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
-    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, num_pages=64)
+    options = {} if mode == "raw_logprobs" else {"logprobs_mode": mode}
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, num_pages=64, **options)
+    assert engine.config.logprobs_mode == mode
     outs = engine.generate(prompts, params, use_tqdm=False)
     assert outs[2].outputs[0].logprobs is None
-    for prompt, p, out in zip(prompts[:2], params[:2], outs[:2], strict=True):
-        ids, records = prompt["prompt_token_ids"], out.outputs[0].logprobs
-        tokens = out.outputs[0].token_ids
-        assert [r.token for r in records] == tokens and all(len(r.top) == p.logprobs
-                                                              for r in records)
+    gap = 0.0  # how far the two modes' records are apart
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        ids, tokens = prompt["prompt_token_ids"], out.outputs[0].token_ids
+        assert tokens == served_alone(tiny_model, smollm_tokenizer, ids, p)[0]
+        if p.logprobs is None:
+            continue
         seq = ids + tokens
         n = len(seq)
         logits = tiny_model(mx.array(seq, mx.int32), mx.arange(n),
                             DenseKVCache(tiny_model.config.num_hidden_layers), mx.arange(n))
         rows = np.array(logits.astype(mx.float32))[len(ids) - 1 : n - 1]
-        scale = 1.0 if p.greedy else p.temperature
-        for row, record in zip(rows, records, strict=True):
-            x = row.astype(np.float64) / scale
-            want = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        records = out.outputs[0].logprobs
+        assert [r.token for r in records] == tokens
+        for i, (row, record) in enumerate(zip(rows, records, strict=True)):
+            penalized = penalize(row, p, TokenHistory(ids, tokens[:i], set()))
+            processed = log_softmax(penalized)
+            if not p.greedy:
+                kept, probs = filter_logits(penalized, p)
+                processed = np.full(len(row), -np.inf)
+                processed[kept] = np.log(probs)
+            want, other = (log_softmax(row), processed) if mode == "raw_logprobs" else (
+                processed, log_softmax(row))
             assert abs(record.logprob - want[record.token]) < 1e-4
-            assert [t for t, _ in record.top] == list(np.argsort(-want, kind="stable")[:p.logprobs])
-    alone = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), prompts[:1],
-                      params[:1])
-    assert alone[0] == outs[0].outputs[0].token_ids
+            assert [t for t, _ in record.top] == list(np.argsort(-want, kind="stable")[:3])
+            assert all(abs(lp - want[t]) < 1e-4 for t, lp in record.top)
+            gap = max(gap, abs(other[record.token] - want[record.token]))
+    assert gap > 0.1
+
+
+def test_logprobs_mode_is_an_engine_option_checked_when_made():
+    from tiny_llm.cli import build_parser, engine_options
+    from tiny_llm.engine import EngineConfig
+
+    assert EngineConfig().logprobs_mode == "raw_logprobs"  # vLLM's default
+    with pytest.raises(ValueError, match=r"logprobs_mode must be one of \('raw_logprobs', "
+                                         r"'processed_logprobs'\), got 'processed'"):
+        EngineConfig(logprobs_mode="processed")
+    for command in (["serve"], ["generate", "--prompt", "hi"]):
+        args = build_parser().parse_args([*command, "--logprobs-mode", "processed_logprobs"])
+        assert engine_options(args) == {"logprobs_mode": "processed_logprobs"}
 
 
 def test_prompt_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):

@@ -143,28 +143,35 @@ def test_the_filters_read_the_masked_row(engine, only_the_top):
 
 
 @pytest.mark.task("9.2")
-def test_logprobs_come_from_the_masked_distribution(engine, tiny_model, smollm_tokenizer):
-    """A greedy request's log-probabilities and alternatives are the model's logits with
-    every token the grammar forbids removed: recomputed position by position."""
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_come_from_the_model_or_the_masked_distribution(tiny_model, smollm_tokenizer,
+                                                                 mode):
+    """A greedy request's log-probabilities and alternatives, recomputed position by
+    position: the model's own logits (raw_logprobs: before any processing, the mask
+    included), or those logits with every token the grammar forbids removed
+    (processed_logprobs, the distribution the token was chosen from)."""
     spec = StructuredOutput(choice=["alpha", "beta", "gamma delta"])
+    engine = LLMEngine(tiny_model, smollm_tokenizer, num_pages=64, logprobs_mode=mode)
     out = engine.generate(["Pick"], SamplingParams(temperature=0.0, max_tokens=10, logprobs=3,
                                                    structured=spec), use_tqdm=False)[0]
     o = out.outputs[0]
     grammars = engine.inputs.grammars
     matcher = grammars.constraint(spec)
     ids = engine.tokenize("Pick")
+    forbidden_listed = False
     for token, record in zip(o.token_ids, o.logprobs, strict=True):
         logits = np.array(_last_logits(tiny_model, ids)).astype(np.float32)
         allowed = matcher.allowed()
         masked = np.where(allowed, logits, -np.inf)
-        want = token_logprob(masked, token, 3)
-        assert record.token == want.token == int(np.argmax(masked))
+        assert token == int(np.argmax(masked))
+        want = token_logprob(logits if mode == "raw_logprobs" else masked, token, 3)
         assert abs(record.logprob - want.logprob) < 1e-4
         assert [t for t, _ in record.top] == [t for t, _ in want.top]
-        assert all(allowed[t] for t, _ in record.top if np.isfinite(_))
+        forbidden_listed |= not all(allowed[t] for t, _ in record.top)
         matcher.consume(token)
         ids = [*ids, token]
     assert o.text in ("alpha", "beta", "gamma delta")
+    assert forbidden_listed == (mode == "raw_logprobs")
 
 
 def _last_logits(model, ids):
@@ -186,8 +193,8 @@ def test_a_failed_step_rolls_the_matcher_back(engine, monkeypatch):
     want = engine.generate(["Tell me"], [params], use_tqdm=False)[0].outputs[0].token_ids
     real, calls = runner_module.sample_next_tokens, []
 
-    def then_fail(logits, samplers):
-        tokens = real(logits, samplers)
+    def then_fail(*args):
+        tokens = real(*args)
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("injected after sampling")
@@ -243,14 +250,25 @@ def test_schemas_that_differ_only_in_property_order_are_different_grammars(engin
 
 
 @pytest.mark.task("9.2")
-def test_logprob_alternatives_are_tokens_the_grammar_allows(engine):
-    """Asked for more alternatives than the grammar allows, a record lists only tokens that
-    could have been drawn (finite log-probabilities, JSON-serialisable)."""
-    spec = StructuredOutput(choice=["yes", "no"])
+@pytest.mark.parametrize("only_the_top", [{}, dict(top_k=1)], ids=["unfiltered", "top_k"])
+def test_logprob_alternatives_are_tokens_the_grammar_allows(tiny_model, smollm_tokenizer,
+                                                            only_the_top):
+    """With processed_logprobs, asked for more alternatives than the grammar (and top-k)
+    allow, a sampled request's record lists only tokens that could have been drawn
+    (allowed, of finite log-probability, JSON-serialisable)."""
+    engine = LLMEngine(tiny_model, smollm_tokenizer, num_pages=64,
+                       logprobs_mode="processed_logprobs")
+    spec = StructuredOutput(choice=["yes", "no", "maybe"])
     out = engine.generate(["Pick"], SamplingParams(temperature=0.7, seed=2, max_tokens=5,
-                                                   logprobs=8, structured=spec),
+                                                   logprobs=8, structured=spec,
+                                                   **only_the_top),
                           use_tqdm=False)[0].outputs[0]
-    assert out.logprobs and all(np.isfinite(lp) for r in out.logprobs for _, lp in r.top)
+    matcher = engine.inputs.grammars.constraint(spec)
+    for token, record in zip(out.token_ids, out.logprobs, strict=True):
+        allowed = matcher.allowed()
+        assert record.top and all(allowed[t] and np.isfinite(lp) for t, lp in record.top)
+        assert len(record.top) == (1 if only_the_top else min(8, np.count_nonzero(allowed)))
+        matcher.consume(token)
     json.dumps([[r.logprob, r.top] for r in out.logprobs], allow_nan=False)
 
 

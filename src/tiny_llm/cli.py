@@ -48,6 +48,8 @@ ENGINE_FLAGS = [
      "ranks the model is split over (start them with mlx.launch -n N --backend ring --)"),
     ("--tensor-parallel-timeout", "tensor_parallel_timeout", float,
      "seconds a step may take, sent to the workers, before rank 0 gives up"),
+    ("--logprobs-mode", "logprobs_mode", str, "what logprobs report: raw_logprobs (the "
+     "model's, the default) or processed_logprobs (the distribution each token was drawn from)"),
 ]
 
 

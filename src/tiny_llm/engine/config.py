@@ -10,6 +10,7 @@ from tiny_llm.day1_batching import POLICIES, DenseAttention
 from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, GatherAttention
 from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
+from tiny_llm.sampling import LOGPROBS_MODES
 from tiny_llm.speculative import SPECULATIVE
 
 import numpy as np
@@ -59,6 +60,7 @@ class EngineConfig:
     fused_layers: bool = True  # decode steps' dense layers as one op (the CPU kernels)
     tensor_parallel_size: int = 1  # ranks the model is split over (processes of mlx.launch)
     tensor_parallel_timeout: float = 120.0  # seconds a step may take before rank 0 gives up
+    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs": TokenLogprob
 # ANCHOR_END: engine_config
 
     def __post_init__(self) -> None:
@@ -114,6 +116,7 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r} reads {storage} K/V; it needs "
                              f"kv_cache={storage!r}, not {self.kv_cache!r}")
         _check_choice("speculative", self.speculative, SPECULATIVE)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if self.speculative != "off" and self.kv_cache != "paged":
             raise ValueError("speculative decoding rewinds the paged cache: it needs "
                              "kv_cache='paged'")

@@ -77,13 +77,15 @@ class LLMEngine:
         kernels = KernelSettings(cfg.cpu_kernels, cfg.int8_activations,
                                  cfg.fused_layers and workers is None)
         if workers is None:
-            self.runner = ModelRunner(model, self.kv, backend(self.kv), kernels)
+            self.runner = ModelRunner(model, self.kv, backend(self.kv), kernels,
+                                      logprobs_mode=cfg.logprobs_mode)
         else:
             workers.start({"num_pages": self.kv.blocks.num_blocks, "page_size": cfg.page_size,
                            "attention": cfg.attention, "cpu_kernels": kernels.cpu_kernels,
                            "int8_activations": kernels.int8_activations})
             atexit.register(workers.stop)
-            self.runner = ShardedModelRunner(model, self.kv, backend(self.kv), kernels, workers)
+            self.runner = ShardedModelRunner(model, self.kv, backend(self.kv), kernels, workers,
+                                             cfg.logprobs_mode)
         self.outputs = OutputRouter()
         self.core = EngineCore(self.scheduler, self.runner,
                                _speculation(cfg, model, tokenizer, self.max_model_len),

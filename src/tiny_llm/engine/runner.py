@@ -47,9 +47,11 @@ class ModelRunner:
     """One model over one KV storage and attention backend."""
 
     def __init__(self, model: Model, kv: Any, attention: AttentionBackend,
-                 kernels: KernelSettings = KernelSettings(), scores_prompts: bool = True):
+                 kernels: KernelSettings = KernelSettings(), scores_prompts: bool = True,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model, self.kv, self.attention, self.kernels = model, kv, attention, kernels
         self.scores_prompts = scores_prompts  # False: a draft model's (it samples only)
+        self.logprobs_mode = logprobs_mode  # what a token's logprob record reads
 
     def run(self, chunks: list[ScheduledChunk],
             layout: PagedLayout | DenseLayout | None = None) -> tuple[StepBatch, mx.array]:
@@ -87,7 +89,8 @@ class ModelRunner:
                    r.sampler.constraint and r.sampler.constraint.consumed) for r in requests]
         try:
             if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
-                drawn = sample_next_tokens(logits, [r.sampler for r in requests])
+                drawn = sample_next_tokens(logits, [r.sampler for r in requests],
+                                           self.logprobs_mode)
                 return [[token] for token in drawn]
             return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
@@ -158,7 +161,8 @@ class ModelRunner:
         tokens: list[list[int]] = [[] for _ in requests]
         if plain:
             picked = logits[mx.array([int(rows[i]) for i in plain])]
-            drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain])
+            drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain],
+                                       self.logprobs_mode)
             for i, token in zip(plain, drawn, strict=True):
                 tokens[i] = [token]
         for i, n in enumerate(batch.num_logits):
@@ -174,8 +178,8 @@ class ShardedModelRunner(ModelRunner):
     to the workers, then every rank runs it on its shard."""
 
     def __init__(self, model: Model, kv: Any, attention: AttentionBackend,
-                 kernels: KernelSettings, workers: Workers):
-        super().__init__(model, kv, attention, kernels)
+                 kernels: KernelSettings, workers: Workers, logprobs_mode: str):
+        super().__init__(model, kv, attention, kernels, logprobs_mode=logprobs_mode)
         self.workers = workers
 
     def forward(self, batch: StepBatch, head: bool = True) -> mx.array:
