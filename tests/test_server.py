@@ -31,7 +31,7 @@ from pathlib import Path
 from tiny_llm.engine import LLMEngine
 from tiny_llm.generate import stream_generate
 from tiny_llm.sampling import SamplingParams
-from tiny_llm.server import APIError, Server, build_app
+from tiny_llm.server import APIError, CompletionShape, Server, build_app
 from tiny_llm.testing.runs import served_alone
 
 import openai
@@ -663,6 +663,50 @@ def test_logprobs_as_the_openai_client_reads_them(served, client):
     assert status == 400 and json.loads(text)["error"]["param"] == "logprobs"
     status, text = http(f"{url}/v1/chat/completions", {"messages": messages, "top_logprobs": 2})
     assert status == 400 and json.loads(text)["error"]["param"] == "top_logprobs"
+    settled(server)
+
+
+def test_completions_logprobs_are_aligned_with_the_text(served):
+    """Completions' tokens are the text each adds to the output, so they join to the text
+    and text_offset indexes it, also where characters are split over tokens (here forced by
+    a regex of characters of several tokens each): a token that ends mid-character reads
+    "", the one that completes it the whole character. Streamed, the same. An alternative
+    that is part of a character is keyed by its bytes (bytes:\\x..), never U+FFFD."""
+    url, server = served
+    body = {"prompt": "Say it:", "max_tokens": 12, "temperature": 1.0, "logprobs": 3,
+            "structured_outputs": {"regex": "(\U0001F600|\u6f22|\u00e9)+"}}
+    for seed in range(3):
+        status, text = http(f"{url}/v1/completions", body | {"seed": seed})
+        assert status == 200, text
+        choice = json.loads(text)["choices"][0]
+        lp = choice["logprobs"]
+        assert "\ufffd" not in choice["text"] and "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i]))
+                                     for i in range(len(lp["tokens"]))]
+        assert "" in lp["tokens"], lp["tokens"]  # a character was split over tokens
+        assert not any("\ufffd" in key for top in lp["top_logprobs"] for key in top)
+        status, events = http(f"{url}/v1/completions", body | {"seed": seed, "stream": True})
+        chunks = [json.loads(line[6:]) for line in events.splitlines()
+                  if line.startswith("data: {")]
+        streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        assert [t for c in streamed for t in c["tokens"]] == lp["tokens"]
+        assert [o for c in streamed for o in c["text_offset"]] == lp["text_offset"]
+    cut = []  # outputs cut by max_tokens mid-character: their text ends in U+FFFD
+    for max_tokens in (1, 2, 4, 5):
+        status, text = http(f"{url}/v1/completions", body | {
+            "max_tokens": max_tokens, "temperature": 0, "structured_outputs": {
+                "regex": "\u6f22+"}})
+        choice = json.loads(text)["choices"][0]
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"], choice
+        cut += [choice["text"]] if choice["text"].endswith("\ufffd") else []
+    assert cut
+    shape = CompletionShape("r", MODEL, server.spelling(), server.pieces(SamplingParams()))
+    split = server.engine.tokenizer.encode("\U0001F600", add_special_tokens=False)
+    assert shape.alternative(split[0]) == "bytes:" + "".join(
+        f"\\x{b:02x}" for b in server.engine.tokenizer.token_bytes(split[0]))
+    assert shape.alternative(split[0]).startswith("bytes:\\xf0")
+    word = server.engine.tokenizer.encode(" river", add_special_tokens=False)
+    assert [shape.alternative(t) for t in word] == [" river"]
     settled(server)
 
 

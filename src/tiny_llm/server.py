@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -55,7 +56,7 @@ from tiny_llm.request import RequestOutput
 from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams, TokenLogprob
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
-from tiny_llm.tokenizer import check_text, strings_in
+from tiny_llm.tokenizer import IncrementalDetokenizer, check_text, strings_in
 from tiny_llm.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
 
 log = logging.getLogger("tiny_llm")
@@ -758,6 +759,10 @@ class Server:
         tokenizer = self.engine.tokenizer
         return Spelling(lambda token: tokenizer.decode([token]), tokenizer.token_bytes)
 
+    def pieces(self, params: SamplingParams) -> Callable[[], IncrementalDetokenizer]:
+        """A maker of detokenizers that spell an output as the engine does for ``params``."""
+        return functools.partial(self.engine.tokenizer.detokenizer, params.skip_special_tokens)
+
     def usage(self, outs: list[RequestOutput], num_prompt: int) -> dict[str, Any]:
         """Every sample's tokens; the prompt (and its cached tokens, the first sample's)
         once."""
@@ -814,7 +819,8 @@ class Server:
             return error_response(e)
         shape = (ChatShape(request_id, self.model_name, self.spelling(), parsed.tool_use,
                            self.tool_format) if chat
-                 else CompletionShape(request_id, self.model_name, self.spelling()))
+                 else CompletionShape(request_id, self.model_name, self.spelling(),
+                                      self.pieces(parsed.params)))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),
                                        ping=15)
@@ -875,15 +881,39 @@ class Spelling(NamedTuple):
     bytes: Callable[[int], bytes]
 
 
+class TokenTexts:
+    """A choice's tokens as the text each adds to its output, and where that text begins
+    in it: the detokenizer the engine spells the output with, fed the same tokens. A token
+    that ends mid-character adds "" and the one that completes the character carries all
+    of it, so the texts joined are the output and no offset drifts."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer):
+        self.detokenizer, self.offset = detokenizer, 0
+
+    def read(self, tokens: list[int], last: bool) -> tuple[list[str], list[int]]:
+        """The next ``tokens``' texts and offsets; ``last``: the output ends with them (a
+        tail held back mid-character goes to the last one, as U+FFFD, as in the text)."""
+        texts = [self.detokenizer.add(token) for token in tokens]
+        if last and texts:
+            texts[-1] += self.detokenizer.flush()
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return texts, offsets
+
+
 class CompletionShape:
-    """``/v1/completions`` bodies and chunks."""
+    """``/v1/completions`` bodies and chunks; ``pieces`` makes a detokenizer of the
+    request's output (None for chat, whose records spell tokens their own way)."""
 
     object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, spelling: Spelling):
+    def __init__(self, request_id: str, model: str, spelling: Spelling,
+                 pieces: Callable[[], IncrementalDetokenizer] | None):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
-        self.spelling = spelling
-        self.text_offset: dict[int, int] = {}  # per choice: characters whose logprobs went out
+        self.spelling, self.pieces = spelling, pieces
+        self.texts: dict[int, TokenTexts] = {}  # per choice: its tokens' texts so far
 
     def envelope(self, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created,
@@ -901,7 +931,8 @@ class CompletionShape:
 
     def choice(self, index: int, text: str, finish_reason: str | None,
                records: list[TokenLogprob] | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self.logprobs(records, index),
+        logprobs = self.logprobs(records, index, last=finish_reason is not None)
+        return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     def whole(self, choices: list[dict[str, Any]], usage: dict) -> dict[str, Any]:
@@ -912,20 +943,30 @@ class CompletionShape:
         none."""
         return False
 
-    def logprobs(self, records: list[TokenLogprob] | None,
-                 index: int = 0) -> dict[str, Any] | None:
-        """The legacy completions' shape: parallel lists, the alternatives as dicts."""
+    def logprobs(self, records: list[TokenLogprob] | None, index: int = 0,
+                 last: bool = False) -> dict[str, Any] | None:
+        """The legacy completions' shape: parallel lists, the alternatives as dicts. A
+        token reads the text it adds to the output (``TokenTexts``), so ``text_offset``
+        indexes the returned text; ``last``: these records end the output."""
         if records is None:
             return None
-        tokens = [self.spelling.text(r.token) for r in records]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.text_offset.get(index, 0))
-            self.text_offset[index] = offsets[-1] + len(token)
+        if index not in self.texts:
+            self.texts[index] = TokenTexts(self.pieces())
+        tokens, offsets = self.texts[index].read([r.token for r in records], last)
         return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self.spelling.text(t): lp for t, lp in r.top}
+                "top_logprobs": [{self.alternative(t): lp for t, lp in r.top}
                                  for r in records],
                 "text_offset": offsets}
+
+    def alternative(self, token: int) -> str:
+        """An alternative's key: its text alone, or, for a token that is part of a
+        character, its bytes as OpenAI's legacy API spells them (``bytes:\\xf0\\x9f``);
+        such tokens all read U+FFFD, and would share one key."""
+        data = self.spelling.bytes(token)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 class ChatShape(CompletionShape):
@@ -936,7 +977,7 @@ class ChatShape(CompletionShape):
 
     def __init__(self, request_id: str, model: str, spelling: Spelling,
                  tool_use: ToolUse | None = None, tool_format: str | None = None):
-        super().__init__(request_id, model, spelling)
+        super().__init__(request_id, model, spelling, pieces=None)
         self.id = f"chatcmpl-{request_id}"
         use = tool_use or ToolUse(None, False, None, None)
         self.tools = use.tools if use.parse else None  # read for calls: None, not read
