@@ -31,7 +31,7 @@ from pathlib import Path
 from tiny_llm.engine import LLMEngine
 from tiny_llm.generate import stream_generate
 from tiny_llm.sampling import SamplingParams
-from tiny_llm.server import APIError, CompletionShape, Server, build_app
+from tiny_llm.server import APIError, CompletionShape, Server, uvicorn_config
 from tiny_llm.testing.runs import served_alone
 
 import openai
@@ -46,8 +46,7 @@ MODEL = "tiny"
 @contextmanager
 def running(server: Server) -> Iterator[str]:
     """``server`` on 127.0.0.1 (a free port) in a thread; yields its base URL."""
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0,
-                                       log_level="warning"))
+    uv = uvicorn.Server(uvicorn_config(server, "127.0.0.1", 0, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -468,6 +467,53 @@ def test_a_body_of_exactly_max_body_bytes_is_served(tiny_model, smollm_tokenizer
             sock.close()
 
 
+def dripped_until_closed(sock: socket.socket, byte: bytes, rounds: int = 200) -> bytes | None:
+    """Send ``byte`` every 50 ms until the server closes the connection: what it answered
+    meanwhile (b"" for nothing), or None if it was still open after ``rounds`` bytes."""
+    import select
+
+    received = b""
+    for _ in range(rounds):
+        if select.select([sock], [], [], 0.05)[0]:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                return received
+            if not chunk:
+                return received
+            received += chunk
+            continue
+        try:
+            sock.sendall(byte)
+        except OSError:  # closed by the server
+            return received
+    return None
+
+
+def test_slow_clients_are_cut_off_at_the_header_and_body_deadlines(tiny_model,
+                                                                    smollm_tokenizer):
+    """Clients that send their headers or their body a byte at a time, and one that sends
+    nothing, are cut off at the deadlines (1 s here) rather than held open: the headers'
+    and the silent one by closing the connection, the body's with a 408 and a close.
+    Another client is served meanwhile."""
+    server = Server(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), MODEL,
+                    header_timeout=1.0, body_timeout=1.0)
+    with running(server) as url:
+        silent = connect(url)
+        headers = connect(url)
+        headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        body = raw_post(url, "/v1/completions", b"{", length=10_000)
+        assert dripped_until_closed(headers, b"a") == b""
+        answer = dripped_until_closed(body, b" ")
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_timeout" and "--body-timeout" in error["message"]
+        assert dripped_until_closed(silent, b"") == b""
+        assert http(f"{url}/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        for sock in (silent, headers, body):
+            sock.close()
+
+
 def test_fields_as_openai_reads_them(served, client):
     url, server = served
     # null is the default, for n, stream and max_completion_tokens (then max_tokens holds)
@@ -844,6 +890,9 @@ def test_serve_refuses_bad_options_before_loading_a_model(capsys):
                           (["--max-body-bytes", "0"], "max_body_bytes must be"),
                           (["--max-body-bytes", "10"], "max_body_bytes must be"),
                           (["--shutdown-timeout", "-1"], "shutdown_timeout must be"),
+                          (["--header-timeout", "0"], "header_timeout must be"),
+                          (["--body-timeout", "-2"], "body_timeout must be"),
+                          (["--body-timeout", "1e9"], "body_timeout must be"),
                           (["--api-key-for-all"], "needs a key"),
                           (["--model", "/no/such/model.gguf"], "does not exist")):
         start = time.monotonic()

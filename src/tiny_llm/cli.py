@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=None,
                        help="seconds requests in flight get after SIGTERM/SIGINT before they "
                             "end with an error (default 10; a second signal ends them at once)")
+    serve.add_argument("--header-timeout", type=float, default=None,
+                       help="seconds a request's headers may take to arrive before its "
+                            "connection is closed (default 10)")
+    serve.add_argument("--body-timeout", type=float, default=None,
+                       help="seconds a request's body may take to arrive before a 408 "
+                            "(default 60)")
     add_engine_options(serve)
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
@@ -171,7 +177,11 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key if args.api_key is not None else os.environ.get(server.API_KEY_ENV),
         key_for_all=args.api_key_for_all,
         shutdown_timeout=(server.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
-                          else args.shutdown_timeout))
+                          else args.shutdown_timeout),
+        header_timeout=(server.DEFAULT_HEADER_TIMEOUT if args.header_timeout is None
+                        else args.header_timeout),
+        body_timeout=(server.DEFAULT_BODY_TIMEOUT if args.body_timeout is None
+                      else args.body_timeout))
     server.check_options(args.max_waiting, **options)  # before the (slow) model load
     engine = load_engine(args)
     server.serve(engine, served_model_name(args), host=args.host, port=args.port,

@@ -65,6 +65,8 @@ log = logging.getLogger("tiny_llm")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a 128k-token prompt as token ids is about 1 MB
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after the first signal
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a request's headers may take to arrive
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds its body may take (4 MiB at about 0.5 Mbit/s)
 API_KEY_ENV = "TINY_LLM_API_KEY"
 GRAMMAR_THREADS = 2  # grammars compiled at once; more wait for a thread, other requests do not
 
@@ -643,10 +645,13 @@ class Server:
 
     def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None,
                  *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-                 key_for_all: bool = False):
-        check_options(max_waiting, max_body_bytes, api_key, key_for_all)
+                 key_for_all: bool = False, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
+        check_options(max_waiting, max_body_bytes, api_key, key_for_all,
+                      header_timeout=header_timeout, body_timeout=body_timeout)
         self.engine, self.model_name = engine, model_name
         self.max_body_bytes, self.api_key, self.key_for_all = max_body_bytes, api_key, key_for_all
+        self.header_timeout, self.body_timeout = header_timeout, body_timeout
         self.loop = EngineLoop(engine, max_waiting)
         self.compiler = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="tiny-llm-grammar")
         self.metrics = Metrics(engine, lambda: self.loop.num_aborted)
@@ -676,11 +681,26 @@ class Server:
             given.strip().encode(), self.api_key.encode())
 
     async def read_body(self, request) -> Any:
-        """The JSON body, read up to ``max_body_bytes`` (413 past it) and parsed off the
-        event loop (400 if it is not JSON, or nests too deeply to parse)."""
+        """The JSON body, read up to ``max_body_bytes`` (413 past it) within
+        ``body_timeout`` seconds (408 past it) and parsed off the event loop (400 if it is
+        not JSON, or nests too deeply to parse)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise body_too_large(self.max_body_bytes)
+        try:
+            data = await asyncio.wait_for(self.receive_body(request), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} "
+                           "s (--body-timeout)", code="request_timeout") from None
+        try:
+            return await asyncio.to_thread(json.loads, data)
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply") from None
+
+    async def receive_body(self, request) -> bytes:
+        """The body's bytes as they arrive, up to ``max_body_bytes`` (413 past it)."""
         from starlette.requests import ClientDisconnect
 
         chunks, size = [], 0
@@ -692,12 +712,7 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise APIError(499, "the client closed the request") from None
-        try:
-            return await asyncio.to_thread(json.loads, b"".join(chunks))
-        except (ValueError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        except RecursionError:
-            raise APIError(400, "the request body nests too deeply") from None
+        return b"".join(chunks)
 
     async def submit(self, body: Any, chat: bool) -> tuple[ParsedRequest, str, list, int]:
         """The parsed request, its id, each sample's (id, queue, timeline), the prompt's
@@ -1070,11 +1085,14 @@ class ChatShape(CompletionShape):
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None):
-    """The error as OpenAI shapes it; ``headers`` besides (a 405's ``Allow``)."""
+    """The error as OpenAI shapes it; ``headers`` besides (a 405's ``Allow``). A body left
+    unread (408, 413) closes the connection: what the client still sends is not read."""
     from starlette.responses import JSONResponse
 
     if error.status == 401:
         headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
+    if error.status in (408, 413):
+        headers = {"Connection": "close", **(headers or {})}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -1085,8 +1103,13 @@ def body_too_large(limit: int) -> APIError:
 
 def check_options(max_waiting: int | None, max_body_bytes: int, api_key: str | None,
                   key_for_all: bool = False,
-                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                  header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                  body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     """Refuse bad server options at startup (before any model is loaded, from the CLI)."""
+    check_seconds("shutdown_timeout", shutdown_timeout, 0)
+    check_seconds("header_timeout", header_timeout)
+    check_seconds("body_timeout", body_timeout)
     if max_waiting is not None and (isinstance(max_waiting, bool)
                                     or not isinstance(max_waiting, int) or max_waiting < 1):
         raise ValueError(f"max_waiting must be an integer >= 1 (every request waits before "
@@ -1094,9 +1117,6 @@ def check_options(max_waiting: int | None, max_body_bytes: int, api_key: str | N
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or \
             max_body_bytes < 1024:
         raise ValueError(f"max_body_bytes must be an integer >= 1024, got {max_body_bytes!r}")
-    if not isinstance(shutdown_timeout, int | float) or not 0 <= shutdown_timeout < 3600:
-        raise ValueError(f"shutdown_timeout must be between 0 and 3600 seconds, got "
-                         f"{shutdown_timeout!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key
                                 or not api_key.isascii() or not api_key.isprintable()
                                 or api_key != api_key.strip() or " " in api_key):
@@ -1104,6 +1124,15 @@ def check_options(max_waiting: int | None, max_body_bytes: int, api_key: str | N
                          "(a header carries it)")
     if key_for_all and api_key is None:
         raise ValueError("--api-key-for-all needs a key (--api-key or TINY_LLM_API_KEY)")
+
+
+def check_seconds(name: str, value: Any, low: float | None = None) -> None:
+    """A duration option: seconds from ``low`` (None: more than 0) up to an hour."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value < 3600 and (
+        value > 0 if low is None else value >= low)
+    if not ok:
+        raise ValueError(f"{name} must be between {low or 0} and 3600 seconds"
+                         f"{' (more than 0)' if low is None else ''}, got {value!r}")
 
 
 # ANCHOR: app
@@ -1185,21 +1214,67 @@ def build_app(server: Server):
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           api_key: str | None = None, key_for_all: bool = False,
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-    import uvicorn
-
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+          body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     check_options(max_waiting, max_body_bytes, api_key, key_for_all, shutdown_timeout)
     server = Server(engine, model_name, max_waiting, max_body_bytes=max_body_bytes,
-                    api_key=api_key, key_for_all=key_for_all)
+                    api_key=api_key, key_for_all=key_for_all, header_timeout=header_timeout,
+                    body_timeout=body_timeout)
     from sse_starlette.sse import AppStatus
 
     # sse-starlette would cut every stream the moment a signal arrives, with no error
     # event: the streams end here instead, through the bounded shutdown (uvicorn's own
     # timeout, a few seconds later, is the backstop).
     AppStatus.disable_automatic_graceful_drain()
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
+    config = uvicorn_config(server, host, port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout + 5)
     bounded_shutdown(config, server, shutdown_timeout).run()
+
+
+def uvicorn_config(server: Server, host: str, port: int, **options: Any):
+    """uvicorn's configuration for ``server``'s app, on an HTTP protocol with a deadline
+    for each request's headers (``header_timeout``)."""
+    import uvicorn
+
+    return uvicorn.Config(build_app(server), host=host, port=port,
+                          http=timed_protocol(server.header_timeout), **options)
+
+
+def timed_protocol(header_timeout: float) -> type:
+    """uvicorn's HTTP protocol with a deadline for each request's headers, from the
+    connection's start or its previous response's end: a connection whose next request
+    has not shown all its headers by then (one byte a second, or nothing) is closed. The
+    body's deadline is the handler's (``read_body``: a 408)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadline(AutoHTTPProtocol):
+        header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.await_headers()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.await_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def await_headers(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            self.header_timer = self.loop.call_later(header_timeout, self.headers_late,
+                                                     self.cycle)
+
+        def headers_late(self, cycle) -> None:
+            # the same cycle: no request's headers came since; a running one is left be
+            if self.cycle is cycle and (cycle is None or cycle.response_complete):
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def bounded_shutdown(config, server: Server, timeout: float):
