@@ -15,7 +15,8 @@ batch at the next step. A client that disconnects has its request aborted: the h
 posts the id to the engine thread without waiting (a cancelled handler cannot lose it),
 which aborts it before its next step and frees its pages.
 
-Shutdown (SIGTERM or SIGINT) is bounded: new requests get 503 at once, the ones in flight
+Shutdown (SIGTERM or SIGINT) is bounded: new requests get 503 at once (the server listens
+until the requests in flight have ended; ``/health`` answers 503 too), the ones in flight
 run for up to ``shutdown_timeout`` seconds, then end with an error (an error event and
 ``[DONE]`` on a stream); a second signal ends them at once.
 
@@ -1183,6 +1184,8 @@ def build_app(server: Server):
     async def health(request):
         if not server.loop.alive:
             return PlainTextResponse("engine loop stopped", status_code=503)
+        if server.shutting_down:  # a load balancer sends new work elsewhere
+            return PlainTextResponse("shutting down", status_code=503)
         return PlainTextResponse("ok")
 
     async def metrics(request):
@@ -1281,23 +1284,35 @@ def bounded_shutdown(config, server: Server, timeout: float):
     """uvicorn's server with a bounded shutdown: the first SIGTERM/SIGINT stops admission
     and gives the requests in flight ``timeout`` seconds, a second one ends them at once
     (their streams still end with an error event and ``[DONE]``), a third exits without
-    waiting for anything."""
+    waiting for anything. Until the requests in flight have ended the server still listens,
+    and answers a new request 503 rather than refusing its connection."""
     import uvicorn
 
     class BoundedShutdown(uvicorn.Server):
         signals = 0
+        signalled = 0.0  # when the first signal came (time.monotonic)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             self.signals += 1
             if self.signals == 1:
                 log.info("shutting down: %d request(s) in flight get up to %g s",
                          len(server.loop.queues), timeout)
+                self.signalled = time.monotonic()
                 server.begin_shutdown(timeout)
             elif self.signals == 2:  # end every request now; their streams still close
                 server.begin_shutdown(0)
             else:  # a third: stop waiting for anything
                 self.force_exit = True
             self.should_exit = True
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            # uvicorn's own shutdown closes the listener first: it waits for the requests
+            # in flight (ended by the grace's timer, or a step past it), bounded by its
+            # own backstop should the engine thread hang.
+            backstop = self.signalled + self.config.timeout_graceful_shutdown
+            while server.loop.queues and not self.force_exit and time.monotonic() < backstop:
+                await asyncio.sleep(0.05)
+            await super().shutdown(sockets)
 
     return BoundedShutdown(config)
 # ANCHOR_END: app
