@@ -860,6 +860,18 @@ def test_a_burst_cannot_pass_max_waiting(tiny_model, smollm_tokenizer):
             Server(server.engine, MODEL, max_waiting=bad)
 
 
+def test_a_request_the_pool_cannot_hold_names_its_max_tokens_field(tiny_model,
+                                                                   smollm_tokenizer):
+    """The engine refuses a request that could outgrow the whole KV pool (64 tokens here)
+    naming max_tokens: the field the request gave it in."""
+    server = Server(LLMEngine(tiny_model, smollm_tokenizer, num_pages=4, page_size=16,
+                              max_model_len=512), MODEL)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(APIError, match="whole pool holds 64") as refused:
+            asyncio.run(server.submit({"prompt": "hi", field: 200}, chat=False))
+        assert (refused.value.status, refused.value.param) == (400, field)
+
+
 def test_api_key(tiny_model, smollm_tokenizer):
     server = Server(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), MODEL,
                     api_key="sekret")
