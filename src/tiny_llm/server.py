@@ -24,11 +24,13 @@ With ``api_key`` every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 
 and with ``key_for_all`` ``/health`` and ``/metrics`` too.
 
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 for
-invalid parameters (the engine's own checks, with their messages), 400 with code
-``context_length_exceeded`` when prompt + max_tokens exceed ``max_model_len``, 401 without
-the key, 404 for another model's name or an unknown route, 405 for a method a route does
-not take, 413 for a body over ``max_body_bytes``, 503 when ``max_waiting`` requests already
-wait or the server is shutting down.
+invalid parameters (the engine's own checks, with their messages; ``param`` names the
+field), 400 with code ``context_length_exceeded`` when prompt + max_tokens exceed
+``max_model_len``, 401 without the key, 404 for another model's name or an unknown route,
+405 for a method a route does not take, 408 for a body that does not arrive within
+``body_timeout`` seconds, 413 for a body over ``max_body_bytes``, 503 when ``max_waiting``
+requests already wait or the server is shutting down. A connection whose request has not
+shown its headers within ``header_timeout`` seconds is closed.
 """
 
 from __future__ import annotations
