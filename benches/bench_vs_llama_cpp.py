@@ -38,6 +38,7 @@ the run.
 
     python benches/bench_vs_llama_cpp.py --llama-bench PATH          # about a minute
     python benches/bench_vs_llama_cpp.py --llama-bench PATH --quick  # writes *_quick.*
+    python benches/bench_vs_llama_cpp.py --quick    # the engine's rows only, said at the start
 """
 
 from __future__ import annotations
@@ -110,13 +111,16 @@ ROWS = (("llama.cpp (GGUF weights)", "llama"), ("engine (float32)", "engine"),
 
 def make_table(res: dict[str, Any], data: dict[str, Any]) -> Table:
     rows = []
+    llama = res.get("llama")  # None: llama-bench was not given, its row and ratios left out
     for label, key in ROWS:
+        if key not in res:
+            continue
         r = res[key]
         bound_ms = r["bytes_per_token"] / data["copy_bandwidth"] * 1e3
         rows.append([label, r["bytes_per_token"] / 1e6, r["prefill_tok_s"], r["decode_tok_s"],
                      bound_ms / (1e3 / r["decode_tok_s"]),
-                     r["prefill_tok_s"] / res["llama"]["prefill_tok_s"],
-                     r["decode_tok_s"] / res["llama"]["decode_tok_s"]])
+                     r["prefill_tok_s"] / llama["prefill_tok_s"] if llama else None,
+                     r["decode_tok_s"] / llama["decode_tok_s"] if llama else None])
     return Table(
         title=f"One request, {data['model']}: the engine and llama.cpp on the same GGUF file",
         headers=["", "MB read per token", "prefill tok/s", "decode tok/s",
@@ -147,11 +151,16 @@ def make_goals(res: dict[str, Any]) -> Table:
 
 def main() -> None:
     ap = bench_parser(__doc__)
-    ap.add_argument("--llama-bench", type=Path, required="--help" not in sys.argv,
-                    help="path of llama.cpp's llama-bench (see the docstring)")
+    ap.add_argument("--llama-bench", type=Path,
+                    help="path of llama.cpp's llama-bench (see the docstring); without it, "
+                         "the engine's rows only")
     args = ap.parse_args()
     use_cpu()
-    if not args.llama_bench.is_file():
+    if args.llama_bench is None:
+        print("llama.cpp is not measured: no --llama-bench PATH was given (`python "
+              "benches/bench_vs_llama_cpp.py --help` says how to build it); its row, the ratio "
+              "columns and the goals are left out", flush=True)
+    elif not args.llama_bench.is_file():
         raise SystemExit(f"{args.llama_bench} is not llama-bench; see how to build it with "
                          "`python benches/bench_vs_llama_cpp.py --help`")
     if args.quick and "--rounds" not in sys.argv:
@@ -166,7 +175,7 @@ def main() -> None:
                "engine_int8": (stored, True, True), "engine_ops": (stored, False, False)}
     for m, int8, fused in engines.values():
         run_engine(m, tokenizer, 16, 2, seed=99, int8=int8, fused=fused)  # warmup
-    keys = ["llama", *engines]
+    keys = (["llama"] if args.llama_bench else []) + list(engines)
     rounds: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     t0 = time.perf_counter()
     for r in range(args.rounds):
@@ -182,7 +191,8 @@ def main() -> None:
     for key, runs in rounds.items():
         res[key] = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
         res[key]["decode_rounds"] = spread([x["decode_tok_s"] for x in runs])
-    res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
+    if "llama" in res:
+        res["llama"]["bytes_per_token"] = res["llama"].pop("file_bytes")
     c = model.config
     for key, (m, _, _) in engines.items():
         res[key]["bytes_per_token"] = decode_bytes_per_token(
@@ -191,8 +201,8 @@ def main() -> None:
             "cores": os.cpu_count(), "rounds": args.rounds, "results": res,
             "copy_bandwidth": bandwidth,
             "wall_s": time.perf_counter() - t0}
-    save_results(NAME + ("_quick" if args.quick else ""), data,
-                 [make_table(res, data), make_goals(res)], rounds=args.rounds)
+    tables = [make_table(res, data)] + ([make_goals(res)] if "llama" in res else [])
+    save_results(NAME + ("_quick" if args.quick else ""), data, tables, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -255,11 +255,12 @@ def _load_copy(name: str, filename: str, data: bytes) -> Any:
 
 
 class StubTokenizer:
-    """What the engine and mlx-lm need from a tokenizer when prompts are token ids."""
+    """What the engine and mlx-lm need from a tokenizer when prompts are token ids: no text,
+    so that decoding costs neither engine anything (the chapter times the steps)."""
 
     eos_token_ids: set[int] = set()
 
-    def detokenizer(self) -> IncrementalDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(lambda ids: "")
 
     def decode(self, ids: list[int]) -> str:

@@ -53,6 +53,7 @@ if "--learner" in sys.argv:
 
 # tiny_llm interposes OpenBLAS on import; mlx.core is imported after it, inside functions,
 # so that no import sorting can ever put MLX first.
+from tiny_llm import learner  # noqa: E402
 from tiny_llm.blas import openblas_loaded, openblas_threads  # noqa: E402
 from tiny_llm.sampling import SamplingParams  # noqa: E402
 
@@ -66,12 +67,25 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOT_THIS_MACHINE = 3  # a script's exit status where it does not apply (use_cpu on a Mac)
+_results_dir = REPO_ROOT / "benchmark_results"  # --results-dir changes it
+
+if (_whose := learner.describe()) is not None:
+    print(f"{Path(sys.argv[0]).name}: {_whose}", flush=True)
 
 
 def results_dir() -> Path:
-    path = REPO_ROOT / "benchmark_results"
-    path.mkdir(exist_ok=True)
-    return path
+    _results_dir.mkdir(parents=True, exist_ok=True)
+    return _results_dir
+
+
+class _ResultsDir(argparse.Action):
+    """``--results-dir DIR``: where ``save_results`` writes (the test suite's runs write into
+    a temporary folder, never over the book's results)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        global _results_dir
+        _results_dir = Path(value).resolve()
+        setattr(namespace, self.dest, _results_dir)
 
 
 # ANCHOR: measure
@@ -107,6 +121,8 @@ def bench_parser(doc: str | None, rounds: int = 3) -> argparse.ArgumentParser:
                     help=f"interleaved rounds, median reported (default {rounds})")
     ap.add_argument("--learner", action="store_true",
                     help="run on your course workspace's modules (TINY_LLM_LEARNER)")
+    ap.add_argument("--results-dir", action=_ResultsDir, metavar="DIR",
+                    help="write the results here instead of benchmark_results/")
     return ap
 
 
@@ -464,6 +480,7 @@ def environment() -> dict[str, Any]:
         "git_dirty": git("status", "--porcelain", "--untracked-files=no", "--", ".",
                          ":!benchmark_results") != "",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "learner": learner.describe(),  # None: the reference's code
     }
 
 
@@ -538,5 +555,6 @@ def save_results(name: str, data: dict[str, Any], tables: list[Table], figure: A
     if figure is not None:
         figure.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
     print(markdown)
-    print(f"wrote {json_path.relative_to(REPO_ROOT)} (+ .md{', .png' if figure else ''})")
+    shown = json_path.relative_to(REPO_ROOT) if json_path.is_relative_to(REPO_ROOT) else json_path
+    print(f"wrote {shown} (+ .md{', .png' if figure else ''})")
     return json_path

@@ -1,11 +1,14 @@
-"""The measurement scripts in ``benches/`` still import and take the common options.
+"""The measurement scripts in ``benches/`` run as a reader runs them.
 
 Every ``benches/bench_*.py`` runs in a fresh interpreter with ``--help``: that imports the
 script and everything it imports (``tiny_llm`` before ``mlx.core``, as in a real run) and
-builds its parser, so a script broken by an API change fails here rather than when someone
-next runs it. Nothing is measured (``--quick`` runs are too slow for the test suite).
+builds its parser. Every chapter's script, and the others a reader runs, also runs whole on a
+tiny model (``--quick``, one round) into a temporary folder, and must write its result: a
+script broken by an API change fails here rather than when a reader next runs it. (Their
+runs on a learner's workspace: ``test_learner_workspace.py``.)
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +18,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = sorted((ROOT / "benches").glob("bench_*.py"))
-COMMON_OPTIONS = ("--quick", "--rounds", "--learner")  # common.bench_parser
+COMMON_OPTIONS = ("--quick", "--rounds", "--learner", "--results-dir")  # common.bench_parser
+# Scripts that run whole here: every chapter's (the model's, the days', speculation, MoE,
+# serving, tensor parallelism) and the performance appendix's, bench_vs_llama_cpp in its own
+# test below. Not bench_before_after, which measures two commits of the engine with these
+# same scripts, nor bench_blas_threads, which spins a neighbour on a core for minutes to
+# measure OpenBLAS beside it (both run under --help above).
+QUICK_RUNS = ["bench_model", "bench_week3_day1", "bench_week3_day2", "bench_week3_day3",
+              "bench_week3_day4", "bench_week3_day5", "bench_week3_speculative",
+              "bench_week3_moe", "bench_structured", "bench_serve", "bench_serve_soak",
+              "bench_tensor_parallel", "bench_cpu_speed", "bench_cpu_decode"]
+
+
+def run_quick(name: str, results: Path, env: dict[str, str] | None = None,
+              *extra: str) -> subprocess.CompletedProcess:
+    """``python benches/<name>.py --quick --rounds 1`` writing into ``results``."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benches" / f"{name}.py"), "--quick", "--rounds", "1",
+         "--results-dir", str(results), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def check_result(name: str, results: Path, proc: subprocess.CompletedProcess) -> dict:
+    """The run succeeded and wrote ``<name>_quick.json`` with tables of rows, and the ``.md``
+    rendered from it; returns the JSON."""
+    assert proc.returncode == 0, (f"`python benches/{name}.py --quick` failed (exit "
+                                  f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    result = json.loads((results / f"{name}_quick.json").read_text())
+    assert result["tables"] and all(t["rows"] for t in result["tables"]), result["tables"]
+    common = common_module()
+    assert (results / f"{name}_quick.md").read_text() == common.render_markdown(result)
+    return result
 
 
 def test_there_are_benchmarks():
@@ -34,6 +67,25 @@ def test_bench_imports_and_parses_its_options(script: Path):
     )
     missing = [o for o in COMMON_OPTIONS if o not in proc.stdout]
     assert not missing, f"{script.name} lacks the common options {missing} (use bench_parser)"
+
+
+@pytest.mark.device_independent  # the script chooses its configurations by the device itself
+@pytest.mark.parametrize("name", QUICK_RUNS)
+def test_the_benchmark_runs_quick_and_writes_its_result(name: str, tmp_path: Path):
+    book_copy = ROOT / "benchmark_results" / f"{name}_quick.json"
+    before = book_copy.stat().st_mtime_ns if book_copy.exists() else None
+    result = check_result(name, tmp_path, run_quick(name, tmp_path))
+    assert result["environment"]["learner"] is None  # the reference's code
+    after = book_copy.stat().st_mtime_ns if book_copy.exists() else None
+    assert before == after, "--results-dir was not where the script wrote"
+
+
+@pytest.mark.device_independent
+def test_without_llama_bench_its_columns_are_skipped_with_the_reason(tmp_path: Path):
+    proc = run_quick("bench_vs_llama_cpp", tmp_path)
+    assert "llama.cpp is not measured: no --llama-bench PATH was given" in proc.stdout
+    (table,) = check_result("bench_vs_llama_cpp", tmp_path, proc)["tables"]
+    assert all(row[0].startswith("engine") and row[-2:] == [None, None] for row in table["rows"])
 
 
 def test_quick_outputs_are_git_ignored():
