@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -492,6 +493,36 @@ std::vector<Tile> tile_items(const int32_t* qsl, int num_seqs, int tile) {
 }
 // ANCHOR_END: cpu_tile_items
 
+// The work items must cover each sequence's query rows exactly once, in tiles of 1 to `tile`
+// rows inside their sequence: anything else (a wrong Task 5.3) would read and write past a
+// sequence's rows, so it is refused here, by name, before any item runs.
+void check_items(const std::vector<Tile>& items, const int32_t* qsl, int num_seqs, int tile) {
+  std::vector<char> covered(static_cast<size_t>(std::max(0, qsl[num_seqs])), 0);
+  for (const Tile& it : items) {
+    const bool inside = it.seq >= 0 && it.seq < num_seqs && it.rows >= 1 && it.rows <= tile &&
+                        it.row >= qsl[std::max(0, it.seq)] &&
+                        it.row + it.rows <= qsl[std::max(0, it.seq) + 1];
+    if (!inside) {
+      const std::string rows =
+          it.seq >= 0 && it.seq < num_seqs
+              ? "rows " + std::to_string(qsl[it.seq]) + ".." + std::to_string(qsl[it.seq + 1] - 1)
+              : "no rows (there are " + std::to_string(num_seqs) + " sequences)";
+      throw std::runtime_error(
+          "Task 5.3 (tile_items): the item {seq " + std::to_string(it.seq) + ", row " +
+          std::to_string(it.row) + ", rows " + std::to_string(it.rows) + "} is not 1 to " +
+          std::to_string(tile) + " rows within its sequence's query " + rows);
+    }
+    for (int r = it.row; r < it.row + it.rows; ++r)
+      if (covered[r]++)
+        throw std::runtime_error("Task 5.3 (tile_items): query row " + std::to_string(r) +
+                                 " is in two work items");
+  }
+  for (size_t r = 0; r < covered.size(); ++r)
+    if (!covered[r])
+      throw std::runtime_error("Task 5.3 (tile_items): query row " + std::to_string(r) +
+                               " is in no work item");
+}
+
 // With fewer than kMinItems (tile, KV head) items (a decode step of one or two requests:
 // three items on two cores leave one core idle while the other finishes the third),
 // one-row tiles become an item per chunk of their keys; the chunks' states are merged
@@ -510,6 +541,7 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
                          const CpuAttentionShape& g) {
   const std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
                                                    : row_items(qsl, g.num_seqs);
+  check_items(tiles, qsl, g.num_seqs, std::max(1, g.query_tile));
   const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, H = g.n_kv_heads;
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
   auto first_pos = [&](const Tile& tile) {
