@@ -22,9 +22,13 @@ pass.
 """
 
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
-from tiny_llm import device, learner
+from tiny_llm import course, device, learner
 from tiny_llm.testing.devices import cpu_device, gpu_decisions  # noqa: F401  (fixtures)
 from tiny_llm.tokenizer import Tokenizer
 
@@ -45,17 +49,53 @@ def pytest_addoption(parser):
                           "(tiny_llm.device; same as TINY_LLM_GPU_REHEARSAL=1)")
 
 
-def pytest_configure(config):
-    # Before any test module imports a day's module: the switch decides where it comes from.
+def set_learner_switch(config) -> None:
+    """Before any test module imports a day's module: the switch decides where it comes from."""
     if config.getoption("learner_workspace"):
         os.environ[learner.ENV] = config.getoption("learner_workspace")
     elif config.getoption("--learner") and os.environ.get(learner.ENV, "0") == "0":
         os.environ[learner.ENV] = "1"
+
+
+def pytest_configure(config):
+    set_learner_switch(config)
     config.addinivalue_line("markers", "task(*ids): the course tasks this test checks")
     config.addinivalue_line("markers", "device_independent: no device decision reaches this "
                             "test; the GPU rehearsal leaves it to the main pass")
     if config.getoption("--gpu-rehearsal"):
         device.set_gpu_rehearsal(True)
+
+
+def pytest_cmdline_main(config):
+    """With a learner's extension in play, the tests run in a child process: a crash in the
+    learner's native code then ends with a message naming the test and its task (the crash's
+    own output names neither), instead of killing pytest. The extension is built first, here,
+    where its progress shows (pytest captures what the tests print)."""
+    set_learner_switch(config)  # pytest_configure comes later
+    ws = learner.workspace()
+    if ws is None or not (ws / "extensions").is_dir() or os.environ.get(course.TEST_LOG_ENV) \
+            or config.option.help or config.option.version:
+        return None
+    try:
+        learner.build_learner_extension(ws)
+    except ImportError as e:  # the tests report it too, each where it stops them
+        print(f"tiny_llm: {e}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="tiny_llm_tests_") as tmp:
+        log = Path(tmp) / "running"
+        run = subprocess.run([sys.executable, "-m", "pytest", *config.invocation_params.args],
+                             cwd=config.invocation_params.dir,
+                             env={**os.environ, course.TEST_LOG_ENV: str(log)})
+        message = course.crash_message(run.returncode, log)
+    if message is None:
+        return run.returncode
+    print(message, file=sys.stderr)
+    return pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if os.environ.get(course.TEST_LOG_ENV):  # before the test's fixtures run any kernel
+        course.record_test(item.nodeid, [i for m in item.iter_markers("task") for i in m.args])
 
 
 def pytest_sessionstart(session):
@@ -64,12 +104,8 @@ def pytest_sessionstart(session):
     lines = []
     if device.rehearsing_gpu():
         lines.append("GPU rehearsal: the GPU's decisions, computed on the CPU")
-    ws = learner.workspace()
-    if ws is not None:
-        mine = learner.learner_modules()
-        kernels = (ws / "extensions").is_dir()
-        lines.append(f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}"
-                     f"{' and your extension' if kernels else ''}; the reference elsewhere")
+    if (whose := learner.describe()) is not None:
+        lines.append(whose)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     write = reporter.write_line if reporter is not None else print
     for line in lines:

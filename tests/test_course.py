@@ -21,6 +21,7 @@ their mistakes switched on, one at a time at run time (``TINY_LLM_STUB_TASK``,
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -131,6 +132,78 @@ def test_kernel_stubs_are_added_day_by_day_around_a_learners_work(tmp_path, monk
     course.start(5)
     text = cpu.read_text()
     assert "/* my page walk */" in text and TASKS["5.3"].message in text
+
+
+def edit_region(ws: Path, task_id: str, body: str) -> Path:
+    """Write ``body`` as the learner's code of ``task_id``'s first region; returns the file."""
+    region = TASKS[task_id].regions[0]
+    target = course.workspace_file(ws, region.path)
+    text = target.read_text()
+    (mine, *_) = [r for r, i, _, _ in course.regions_in(text, region.path) if i == task_id]
+    lines = text.splitlines()
+    lines[mine.start + 1 : mine.end] = [body]
+    target.write_text("\n".join(lines) + "\n")
+    return target
+
+
+def reference_body(task_id: str) -> str:
+    region = TASKS[task_id].regions[0]
+    lines = (course.SRC.parent / region.path).read_text().splitlines()
+    return "\n".join(lines[region.start + 1 : region.end])
+
+
+# A learner's edit of each kind of file: Python, C++ and Metal; and one that reads exactly as
+# the reference does (copied from the book's folded solution, say), which is work too.
+EDITS = {"3.2": "        return 0  # my fragmentation", "4.2": "  /* my page walk */",
+         "4.4": "  // my Metal page walk", "3.4": None, "4.3": None}
+
+
+def test_starting_a_day_again_keeps_every_edited_region(tmp_path, monkeypatch):
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    course.start(3)
+    course.start(4)
+    files = {i: edit_region(tmp_path, i, body if body is not None else reference_body(i))
+             for i, body in EDITS.items()}
+    before = {f: f.read_text() for f in files.values()}
+    for day in (3, 4, 5, 4, 3):  # again, the next day (sharing the kernel files), again
+        course.start(day)
+    for task_id, target in files.items():
+        text = target.read_text()
+        assert (EDITS[task_id] or reference_body(task_id)) in text, task_id
+    assert files["3.2"].read_text() == before[files["3.2"]]
+    assert TASKS["5.3"].message in files["4.2"].read_text()  # Day 5's task came as a stub
+
+
+def test_reset_gives_a_tasks_stub_back_and_saves_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    course.start(4)
+    target = edit_region(tmp_path, "4.2", EDITS["4.2"])
+    edit_region(tmp_path, "4.3", "  /* my row copies */")
+    (line,) = course.reset("4.2")
+    text = target.read_text()
+    assert TASKS["4.2"].message in text and EDITS["4.2"] not in text
+    assert "/* my row copies */" in (tmp_path / "extensions" / "ops.cpp").read_text()
+    (backup,) = (tmp_path / "backups").rglob("cpu_attention.cpp")
+    assert EDITS["4.2"] in backup.read_text() and str(backup) in line
+    with pytest.raises(ValueError, match="Day 5 is not started"):
+        course.reset("5.3")
+    with pytest.raises(ValueError, match="takes a task"):
+        course.reset("4")
+
+
+def test_a_task_new_to_a_started_module_is_stubbed_in_place(tmp_path, monkeypatch):
+    """A task added to a module after the learner started its day (a newer course): the next
+    ``start`` stubs its region in the learner's file and keeps the rest."""
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    course.start(3)
+    target = edit_region(tmp_path, "3.2", EDITS["3.2"])
+    edit_region(tmp_path, "3.4", reference_body("3.4"))  # as the course had it: no stub
+    state = json.loads((tmp_path / ".course.json").read_text())
+    state["given"].remove("3.4")  # what a workspace started before Task 3.4 existed records
+    (tmp_path / ".course.json").write_text(json.dumps(state))
+    assert any("stubbed 3.4" in line for line in course.start(3))
+    text = target.read_text()
+    assert TASKS["3.4"].message in text and EDITS["3.2"] in text
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ argument, a wrong threadgroup). Every one must be caught, in the way the test ex
 mismatch with the float64 reference, a difference between thread schedules, an
 out-of-bounds or barrier report naming the buffer or the line, or a compile error.
 Cases and launch helpers: tests/test_metal_kernels.py.
+
+With ``--learner`` the kernel is the learner's: a bug planted in the code around the tasks is
+planted there too, and one planted in a task's code (which the learner wrote their own way)
+is skipped with the task's name, since only the reference holds its lines.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+
+from tiny_llm import course
 
 import numpy as np
 import pytest
@@ -46,14 +52,37 @@ pytestmark = pytest.mark.device_independent  # the emulator runs launch plans, o
 
 # ------------------------------------------------------- planted kernel bugs
 
+REFERENCE_KERNEL = Path("extensions/metal/paged_attention.metal")  # relative to src/
+
+
+def task_of(anchor: str) -> str | None:
+    """The course task whose region of the reference kernel holds ``anchor``, if any."""
+    text = (course.SRC.parent / REFERENCE_KERNEL).read_text()
+    assert text.count(anchor) == 1, (
+        f"the mutation's anchor is {'not' if anchor not in text else 'more than once'} in "
+        f"src/{REFERENCE_KERNEL}: {anchor!r}")
+    first = text[: text.index(anchor)].count("\n")
+    last = first + anchor.count("\n")
+    return next((task_id for region, task_id, _, _ in course.regions_in(text, REFERENCE_KERNEL)
+                 if region.start < last and first < region.end), None)
+
+
 def mutated(old: str, new: str, plan: str):
     """``plan`` for a case, with exactly one occurrence of ``old`` in the kernel source
-    replaced by ``new``."""
+    replaced by ``new``. On a learner's kernel, a bug planted in a task's code cannot be: the
+    learner wrote that code their own way, so the test is skipped, saying so (it runs on the
+    reference); a bug in the code around the tasks is planted in the learner's file too."""
+    task = task_of(old)
 
     def mutant(case: MetalCase) -> dict[str, Any]:
+        if task is not None and PAGED != course.SRC.parent / REFERENCE_KERNEL:
+            pytest.skip(f"this bug is planted in Task {task}'s code, which your kernel ({PAGED}) "
+                        "writes its own way; it is the reference's (run without --learner)")
         launch = plan_for(case, plan)
         header = launch["header"]
-        assert header.count(old) == 1, f"mutation anchor not unique: {old!r}"
+        found = header.count(old)
+        assert found == 1, (f"the mutation's anchor is {'not' if found == 0 else 'more than once'}"
+                            f" in the kernel source ({PAGED}): {old!r}")
         return {**launch, "header": header.replace(old, new)}
 
     return mutant

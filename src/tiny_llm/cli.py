@@ -282,9 +282,13 @@ def run_course(args: argparse.Namespace) -> int:
         for line in course.start(args.day):
             print(line)
         chapter = course.CHAPTERS[args.day]
-        print(f"\nread '{chapter[1]}' (book/src/{chapter[0]}); check a task with\n"
-              f"  tiny-llm course test {args.day}.1    (or: .venv/bin/pytest "
-              f"tests/{chapter[2]} --learner -k task_1)")
+        page = chapter[0].removesuffix(".md") + ".html"
+        print(f"\nread '{chapter[1]}' in the book (`make book`, then open book/book/{page}); "
+              f"check a task with\n  tiny-llm course test {args.day}.1")
+        return 0
+    if args.action == "reset":
+        for line in course.reset(args.task):
+            print(line)
         return 0
     if args.action == "tasks":
         for task in course.tasks().values():
@@ -335,8 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "course":
             return run_course(args)
+        if args.command == "launch":
+            from tiny_llm.tensor_parallel import launch
+
+            return launch(args.mlx_launch_args)
         if args.learner:
             os.environ.setdefault("TINY_LLM_LEARNER", "1")  # before any day is imported
+            from tiny_llm import learner
+
+            print(f"tiny-llm: {learner.describe()}", file=sys.stderr)
         if args.command == "generate":
             return run_generate(args)
         if args.command == "serve":

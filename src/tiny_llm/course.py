@@ -13,8 +13,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from tiny_llm import learner
@@ -26,7 +29,6 @@ from tiny_llm.course_tasks import (
     TESTS,
     Region,
     Task,
-    region_body,
     regions_in,
     source_files,
     stub_line,
@@ -34,7 +36,7 @@ from tiny_llm.course_tasks import (
     tasks,
 )
 
-__all__ = ["BOOK", "CHAPTERS", "EXTENSIONS", "SRC", "TESTS", "Region", "Task", "region_body",
+__all__ = ["BOOK", "CHAPTERS", "EXTENSIONS", "SRC", "TESTS", "Region", "Task",
            "regions_in", "source_files", "stub_line", "stubbed", "tasks"]
 
 # ---------------------------------------------------------------------- workspace
@@ -49,44 +51,95 @@ def require_workspace() -> Path:
     return ws
 
 
+def workspace_file(ws: Path, path: Path) -> Path:
+    """Where the learner's copy of ``path`` (relative to src/) lives in the workspace: a
+    module in ``tiny_llm/``, a kernel file in the workspace's copy of the extension."""
+    return ws / "tiny_llm" / path.name if path.suffix == ".py" else ws / path
+
+
 def start(day: int) -> list[str]:
-    """Write ``day``'s stubs into the workspace; returns what was done, line by line.
-    Work already in the workspace is never overwritten."""
+    """Give the learner ``day``'s tasks as stubs; returns what was done, line by line.
+
+    A task is handed out once: its regions become stubs the first time its day starts (in a
+    file written from the reference, or in place in the learner's copy), and never again,
+    whatever they hold, so starting a day again (or the next day, whose tasks share a file)
+    keeps every edit. ``reset`` gives a task's stub back on request."""
     ws = require_workspace()
-    day_tasks = [t for t in tasks().values() if t.day == day]
-    if not day_tasks:
+    day_ids = {t.id for t in tasks().values() if t.day == day}
+    if not day_ids:
         raise ValueError(f"the course has no tasks for day {day}")
-    ids = {t.id for t in day_tasks}
-    report: list[str] = []
-    files = sorted({r.path for t in day_tasks for r in t.regions})
-    for path in files:
-        reference = (SRC.parent / path).read_text()
-        if path.suffix == ".py":
-            target = ws / "tiny_llm" / path.name
-            if target.exists():
-                report.append(f"kept {target} (your work is there)")
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(stubbed(reference, path, ids))
-            report.append(f"wrote {target}")
-            continue
-        target = ws / path  # extensions/..., in a full copy of the extension
-        if not (ws / "extensions").exists():
-            shutil.copytree(EXTENSIONS, ws / "extensions",
-                            ignore=shutil.ignore_patterns("blas_shim"))
-            report.append(f"copied src/extensions to {ws / 'extensions'}")
-        current = target.read_text()
-        # Stub only the regions that still hold the reference: never a learner's edit.
-        fresh = {i for i in ids if region_body(current, path, i) == region_body(
-            reference, path, i) and region_body(current, path, i)}
-        if fresh:
-            target.write_text(stubbed(current, path, fresh))
-            report.append(f"stubbed {', '.join(sorted(fresh))} in {target}")
-        else:
-            report.append(f"kept {target}")
     state = _state(ws)
+    given = _given(state)
+    new = day_ids - given
+    report: list[str] = []
+    for path in sorted({r.path for t in tasks().values() if t.id in day_ids for r in t.regions}):
+        report += _hand_out(ws, path, new, given | new)
     state["started"] = sorted(set(state.get("started", [])) | {day})
+    state["given"] = sorted(given | new)
     _save_state(ws, state)
+    return report
+
+
+def _given(state: dict) -> set[str]:
+    """Tasks already handed out (a workspace from before this record: its started days')."""
+    if "given" in state:
+        return set(state["given"])
+    return {t.id for t in tasks().values() if t.day in state.get("started", [])}
+
+
+def _hand_out(ws: Path, path: Path, new: set[str], given: set[str]) -> list[str]:
+    """Stub the regions of ``new`` tasks in the learner's copy of ``path``; a missing copy is
+    written from the reference with every ``given`` task of the file stubbed."""
+    report = []
+    if path.suffix != ".py" and not (ws / "extensions").exists():
+        shutil.copytree(EXTENSIONS, ws / "extensions", ignore=shutil.ignore_patterns("blas_shim"))
+        report.append(f"copied src/extensions to {ws / 'extensions'}")
+    target = workspace_file(ws, path)
+    in_file = {i for _, i, _, _ in regions_in((SRC.parent / path).read_text(), path)}
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(stubbed((SRC.parent / path).read_text(), path, in_file & given))
+        return [*report, f"wrote {target}"]
+    text = target.read_text()
+    present = {i for _, i, _, _ in regions_in(text, path)}
+    fresh, missing = in_file & new & present, in_file & new - present
+    if fresh:
+        target.write_text(stubbed(text, path, fresh))
+        report.append(f"stubbed {', '.join(sorted(fresh))} in {target}; the rest is kept")
+    elif not missing:
+        report.append(f"kept {target} (your work is there)")
+    report += [f"Task {i} has no region in {target}: copy its marked region from "
+               f"src/{path} (TASK {i} ... END TASK) into your file, or delete the file and "
+               f"start again (your other work in it would go)" for i in sorted(missing)]
+    return report
+
+
+def reset(task_id: str) -> list[str]:
+    """Replace a task's regions in the workspace by a fresh stub, saving the file first
+    (``<workspace>/backups/<time>/...``); returns what was done."""
+    ws = require_workspace()
+    day, which = resolve(task_id)
+    if which is None:
+        raise ValueError(f"reset takes a task, such as {day}.1, not a day")
+    if day not in started_days():
+        raise ValueError(f"Day {day} is not started: `tiny-llm course start {day}` writes its "
+                         "stubs")
+    backups = ws / "backups" / time.strftime("%Y%m%d-%H%M%S")
+    report = []
+    for path in sorted({r.path for r in tasks()[which].regions}):
+        target = workspace_file(ws, path)
+        if not target.exists():
+            report += _hand_out(ws, path, set(), _given(_state(ws)))
+            continue
+        text = target.read_text()
+        if which not in {i for _, i, _, _ in regions_in(text, path)}:
+            raise ValueError(f"{target} has no region of Task {which} (its TASK / END TASK "
+                             f"marks are gone): copy the marked region from src/{path}")
+        backup = backups / target.relative_to(ws)
+        backup.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(target, backup)
+        target.write_text(stubbed(text, path, {which}))
+        report.append(f"stubbed {which} in {target} (the file as it was: {backup})")
     return report
 
 
@@ -153,13 +206,53 @@ def run_task_tests(task: Task, ws: Path | None = None, extra: list[str] | None =
                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The task's tests against the workspace (a separate process: a fresh import), with
     ``env`` added to this process's environment. Installed pytest plugins stay unloaded
-    (the tests use none, and loading them takes longer than a task's tests run)."""
+    (the tests use none, and loading them takes longer than a task's tests run). A run that
+    native code crashed has the crash's report (``crash_message``) at the end of stderr."""
     ws = ws or require_workspace()
     cmd = [sys.executable, "-m", "pytest", *map(str, test_files(task)), "--learner-workspace",
            str(ws), "--task", task.id, "-p", "no:cacheprovider", *(extra or [])]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent,
-                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-                               **(env or {})})
+    with tempfile.TemporaryDirectory(prefix="tiny_llm_tests_") as tmp:
+        log = Path(tmp) / "running"
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=TESTS.parent,
+                             env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                  TEST_LOG_ENV: str(log), **(env or {})})
+        if message := crash_message(run.returncode, log):
+            run.stderr += "\n" + message + "\n"
+    return run
+
+
+# ------------------------------------------------------------ a crash in native code
+
+# A test run on a learner's extension records, in the file this variable names, the test it
+# is running: a crash of the process in native code (a kernel reading or writing memory it
+# does not own) then names the test and its tasks, which the crash's own output cannot.
+TEST_LOG_ENV = "TINY_LLM_TEST_LOG"
+
+
+def record_test(nodeid: str, task_ids: list[str]) -> None:
+    """Note the test about to run (the log is rewritten: only the last one matters)."""
+    path = os.environ.get(TEST_LOG_ENV)
+    if path:
+        Path(path).write_text(f"{nodeid}\t{','.join(sorted(task_ids))}\n")
+
+
+def crash_message(returncode: int, log: Path) -> str | None:
+    """What to tell a learner whose test process died by a signal (None if it did not)."""
+    if returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if not log.exists():
+        return (f"tiny_llm: the test process died ({name}) before any test ran: your "
+                "extension crashed as it loaded")
+    nodeid, _, ids = log.read_text().strip().partition("\t")
+    tasks_ = [tasks()[i] for i in ids.split(",") if i in tasks()]
+    named = "; ".join(f"Task {t.id}: {t.title}" for t in tasks_) or "no course task"
+    return (f"tiny_llm: the test process died ({name}) in or after {nodeid} ({named}). A "
+            "crash in native code: a kernel of your extension read or wrote memory it does "
+            f"not own. Run that test alone to see it again: pytest '{nodeid}' --learner")
 
 
 def outcome(run: subprocess.CompletedProcess) -> str:

@@ -157,8 +157,3 @@ def stubbed(text: str, path: Path, task_ids: set[str]) -> str:
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
 # ANCHOR_END: stub
 
-
-def region_body(text: str, path: Path, task_id: str) -> list[str]:
-    lines = text.splitlines()
-    return [ln for r, i, _, _ in regions_in(text, path) if i == task_id
-            for ln in lines[r.start + 1 : r.end]]

@@ -77,6 +77,18 @@ def learner_modules() -> list[str]:
     return sorted(m for m in course_modules() if learner_file(m) is not None)
 
 
+def describe() -> str | None:
+    """Whose code runs, in one line, when the switch is on (None when it is off): the test
+    header, the CLI and the benchmarks print it, so that a run on the learner's code says so."""
+    ws = workspace()
+    if ws is None:
+        return None
+    mine = learner_modules()
+    kernels = " and your extension" if (ws / "extensions").is_dir() else ""
+    return (f"learner workspace {ws}: your {', '.join(mine) or 'no modules'}{kernels}; "
+            "the reference elsewhere")
+
+
 # ANCHOR: learner_extension
 # Workspaces whose failed build this process has reported (its compiler errors shown once).
 _reported_failures: set[Path] = set()
@@ -114,20 +126,34 @@ def build_learner_extension(ws: Path) -> Path:
 
 
 def _cmake_build(ws: Path, build: Path, log: Path) -> bool:
-    """Configure and build the workspace's extension; False (the output in ``log``) if it
-    fails."""
+    """Configure and build the workspace's extension, printing each file as it compiles;
+    False (the output in ``log``) if it fails."""
     venv_cmake = Path(sys.executable).with_name("cmake")  # make setup installs it there
     cmake = str(venv_cmake) if venv_cmake.exists() else "cmake"
+    output: list[str] = []
     for args in (["-S", str(ws / "extensions"), "-B", str(build),
                   f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
                   "-DTINY_LLM_EXT_NAME=_ext_learner", "-DTINY_LLM_COURSE_KERNEL=ON"],
                  ["--build", str(build), "-j2"]):
-        run = subprocess.run([cmake, *args], capture_output=True, text=True)
+        with subprocess.Popen([cmake, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) as run:
+            for line in run.stdout:
+                output.append(line)
+                if step := _build_step(line):
+                    print(f"tiny_llm:   {step}", file=sys.stderr, flush=True)
         if run.returncode:
             build.mkdir(parents=True, exist_ok=True)
-            log.write_text(run.stdout + run.stderr)
+            log.write_text("".join(output))
             return False
     return True
+
+
+def _build_step(line: str) -> str | None:
+    """CMake's progress line, shortened: "[ 40%] compiling cpu_attention.cpp" / "linking"."""
+    m = re.match(r"\[\s*(\d+)%\] (Building CXX object \S*?([\w.]+)\.o|Linking)", line)
+    if m is None:
+        return None
+    return f"[{m[1]:>3}%] " + (f"compiling {m[3]}" if m[3] else "linking")
 
 
 def compiler_errors(output: str, limit: int = 40) -> str:
