@@ -10,7 +10,8 @@ than one matmul does), alone equals batched exactly, each rank's pool is half th
 the default model on 3 ranks answers the OpenAI client through ``serve``; a killed worker
 ends rank 0 with an error naming it and a stopped one with the step timeout's error, within
 a bounded time; a failure on rank 0 in a step the workers have fails every later step;
-rank 0's end ends the workers; bad options are refused on every rank.
+rank 0's end ends the workers; bad options are refused on every rank; a worker refuses
+rank 0's pool where its own memory cannot hold it.
 """
 
 from __future__ import annotations
@@ -470,6 +471,50 @@ def test_serve_on_three_ranks_answers_the_openai_client(tmp_path):
     finally:
         ranks.kill()
     assert codes == [0, 0, 0], ranks.output(0)[-3000:]
+
+
+SMALL_WORKER_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    import test_tensor_parallel as t
+    import tiny_llm.day3_paged_kv as paged
+    import tiny_llm.tensor_parallel as tp
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.tensor_parallel import TensorParallelError
+    if os.environ["MLX_RANK"] == "1":
+        tp.available_memory = lambda: int(sys.argv[2])  # this worker's machine is smaller
+        allocate = paged.PagePool.__init__
+        def allocating(self, *args):
+            print("allocating pages", flush=True)
+            allocate(self, *args)
+        paged.PagePool.__init__ = allocating
+    try:
+        LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
+                  num_pages=1024)
+        print("started", flush=True)
+    except TensorParallelError as e:
+        print("refused:", e, flush=True)
+""")
+
+
+@pytest.mark.device_independent  # processes and memory, not device decisions
+def test_a_worker_checks_its_own_memory_for_rank_0s_pool(tmp_path):
+    """A worker whose machine has less memory than rank 0's pool of 1024 pages needs (faked
+    on rank 1 only) refuses before it allocates a page, naming its rank, the pages and their
+    bytes; rank 0 fails with that message."""
+    from tiny_llm.day3_paged_kv import kv_bytes_per_token
+    from tiny_llm.tensor_parallel import local_config
+
+    model = make_tiny_model(**TINY)
+    page_bytes = kv_bytes_per_token(local_config(model.config, 2), model.dtype) * 16
+    available = 1024 * page_bytes  # the pool may take 90% of it: one page too few
+    ranks = LocalRanks(2, ["-c", SMALL_WORKER_SCRIPT, str(TESTS), str(available)], tmp_path)
+    assert ranks.wait(120) == [0, 1]
+    out, worker = ranks.output(0), ranks.output(1)
+    assert "started" not in out, out[-3000:]
+    assert f"refused: worker rank 1 could not start: ValueError: rank 0's KV pool of 1024 pages " \
+           f"of {page_bytes} bytes" in out, out[-3000:]
+    assert "worker rank 1 could not start" in worker and "allocating pages" not in worker, worker
 
 
 def _wait_healthy(client, ranks: LocalRanks) -> None:

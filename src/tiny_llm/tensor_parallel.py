@@ -45,7 +45,8 @@ the ranks may be in different collectives. A worker whose rank 0 has gone exits;
 ignore Ctrl-C. Options and the model's geometry are checked on every rank, with the same
 error on each, before the weights of a safetensors checkpoint are read (a GGUF file is read
 whole first: MLX loads its tensors eagerly, so a model too large for one machine must come
-as safetensors).
+as safetensors). Each worker checks that its own memory holds rank 0's page count before
+allocating its pool.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from dataclasses import dataclass, replace
 from math import gcd
 from typing import Any
 
+from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, available_memory
 from tiny_llm.model import MLP, Model, ModelConfig
 from tiny_llm.moe import SparseMoeBlock
 from tiny_llm.step import PagedLayout, ScheduledChunk, StepBatch
@@ -571,6 +573,20 @@ def serve_as_worker(ranks: Ranks, build_runner) -> None:
         except Exception as e:  # rank 0's step fails with it: the ring breaks as we exit
             _exit(f"worker rank {ranks.rank}: a step failed ({type(e).__name__}: {e})")
         in_step.clear()
+
+
+def check_worker_pool(num_pages: int, page_bytes: int) -> None:
+    """On a worker, before its page pool is allocated: refuse rank 0's page count where this
+    machine's memory cannot hold it, by the rule rank 0 sized its own pool by
+    (``pool_pages``: at most ``MAX_POOL_FRACTION`` of the memory available)."""
+    need, available = num_pages * page_bytes, available_memory()
+    if need > int(available * MAX_POOL_FRACTION):
+        raise ValueError(
+            f"rank 0's KV pool of {num_pages} pages of {page_bytes} bytes "
+            f"({need / 2**30:.2f} GiB) does not fit in this rank's memory: its machine has "
+            f"{available / 2**30:.2f} GiB available and the pool may take at most "
+            f"{MAX_POOL_FRACTION:.0%} of it; give rank 0 a smaller pool (--num-pages, "
+            f"--kv-memory-bytes or --kv-memory-fraction)")
 
 
 def _watch_rank0(sock: socket.socket, in_step: threading.Event, gone: str) -> None:

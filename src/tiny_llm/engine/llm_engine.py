@@ -53,7 +53,14 @@ from tiny_llm.speculative import (
     load_draft_model,
 )
 from tiny_llm.step import AttentionBackend, AttentionGeometry
-from tiny_llm.tensor_parallel import Workers, join, serve_as_worker, shard_model, sharded_group
+from tiny_llm.tensor_parallel import (
+    Workers,
+    check_worker_pool,
+    join,
+    serve_as_worker,
+    shard_model,
+    sharded_group,
+)
 from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -309,6 +316,8 @@ def _worker_runner(model: Model, setup: dict[str, Any]) -> ModelRunner:
     """A worker's runner, as rank 0 built its own: the same pages, backend and kernels."""
     backend = ATTENTION_BACKENDS[setup["attention"]]
     backend.check(AttentionGeometry.of(model.config, setup["page_size"], model.dtype))
+    check_worker_pool(setup["num_pages"],
+                      kv_bytes_per_token(model.config, model.dtype) * setup["page_size"])
     kv = PagedKVSpace(model.config, setup["num_pages"], setup["page_size"], False, model.dtype)
     kernels = KernelSettings(setup["cpu_kernels"], setup["int8_activations"], False)
     return ModelRunner(model, kv, backend(kv), kernels)
