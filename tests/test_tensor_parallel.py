@@ -12,12 +12,23 @@ ends rank 0 with an error naming it and a stopped one with the step timeout's er
 a bounded time; a failure on rank 0 in a step the workers have fails every later step;
 rank 0's end ends the workers; bad options are refused on every rank; a worker refuses
 rank 0's pool where its own memory cannot hold it.
+
+The launch: the book's command (``tiny-llm launch``, 3 ranks of the chat) exits non-zero
+when a worker is killed, with rank 0's own error; the launch exits with its ranks' status
+and Ctrl-C ends them; rank 0 given SIGTERM reports a lost worker (a server after its
+shutdown); a busy port and an unreachable or foreign address are named within seconds.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import signal
+import socket
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -27,7 +38,7 @@ from tiny_llm.model import Attention
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
-from tiny_llm.testing.ranks import LocalRanks, free_ports
+from tiny_llm.testing.ranks import LocalRanks, free_ports, launched_ranks
 from tiny_llm.testing.runs import workload
 
 import mlx.core as mx
@@ -36,6 +47,7 @@ import numpy as np
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+BOOK = TESTS.parent / "book" / "src" / "tensor-parallel.md"
 LOGPROB_ATOL = 1e-4
 TINY = dict(num_attention_heads=8, num_key_value_heads=4, seed=3)  # 4 KV heads: 1, 2 or 4 ranks
 OPTIONS = dict(num_pages=14, max_num_batched_tokens=32, max_num_seqs=8)  # chunks, preemption
@@ -123,7 +135,7 @@ def test_a_geometry_that_does_not_divide_is_refused_with_the_valid_sizes():
 def test_tensor_parallelism_outside_mlx_launch_says_how_to_start_it(smollm_tokenizer,
                                                                    monkeypatch):
     monkeypatch.delenv("MLX_RANK", raising=False)
-    with pytest.raises(ValueError, match=r"mlx.launch -n 2 --backend ring"):
+    with pytest.raises(ValueError, match=r"tiny-llm launch -n 2 --"):
         LLMEngine(make_tiny_model(**TINY), smollm_tokenizer, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache='paged'"):
         LLMEngine(make_tiny_model(**TINY), smollm_tokenizer, tensor_parallel_size=2,
@@ -331,12 +343,16 @@ def test_a_lost_worker_ends_rank_0_with_an_error_naming_it(tmp_path, fault):
 
 
 @pytest.mark.device_independent  # processes and sockets, not device decisions
-def test_a_worker_ends_when_rank_0_dies(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_worker_ends_when_rank_0_dies(tmp_path, sig):
+    """Rank 0 killed, or given SIGTERM with every worker alive (it ends by the signal, as
+    without tensor parallelism): the worker exits 1."""
     ranks = LocalRanks(2, ["-c", FAULT_SCRIPT, str(TESTS), "30"], tmp_path)
     try:
         started(ranks, "serving")
-        ranks.procs[0].kill()
+        ranks.procs[0].send_signal(sig)
         code = ranks.procs[1].wait(20)
+        assert ranks.procs[0].wait(20) == -sig
     finally:
         ranks.kill()
     out = ranks.output(1)
@@ -377,6 +393,29 @@ def test_a_server_whose_worker_died_refuses_and_stops(tmp_path):
         assert failed.value.status_code == 503
         assert "worker rank 1 has exited" in failed.value.message
     assert "worker rank 1 has exited" in ranks.output(0)
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_a_server_ended_by_sigterm_after_its_worker_died_says_so(tmp_path):
+    """A worker killed while the server is idle, and rank 0 given SIGTERM at once, as
+    mlx.launch does once a rank has exited: the server shuts down as SIGTERM asks, then
+    exits 1 with the error naming the worker (not 0, as if nothing had happened)."""
+    import openai
+
+    port = free_ports(1)[0]
+    ranks = LocalRanks(2, ["-c", SERVE_TINY_SCRIPT, str(TESTS), str(port)], tmp_path)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        _wait_healthy(client, ranks)
+        ranks.procs[1].kill()
+        ranks.procs[1].wait()
+        ranks.procs[0].send_signal(signal.SIGTERM)
+        code = ranks.procs[0].wait(30)
+    finally:
+        ranks.kill()
+    out = ranks.output(0)
+    assert code == 1, out[-3000:]
+    assert "tiny-llm: error: tensor-parallel worker rank 1 has exited" in out, out[-3000:]
 
 
 STEP_FAILS_SCRIPT = textwrap.dedent("""
@@ -471,6 +510,138 @@ def test_serve_on_three_ranks_answers_the_openai_client(tmp_path):
     finally:
         ranks.kill()
     assert codes == [0, 0, 0], ranks.output(0)[-3000:]
+
+
+# ------------------------------------------------------------------ the launch
+
+def book_launch_command() -> list[str]:
+    """The chapter's command that launches the chat on 3 ranks, as argv (``.venv/bin/X``:
+    this interpreter's X)."""
+    line = re.search(r"\.venv/bin/[^`\n]*launch -n 3 [^`\n]*", BOOK.read_text()).group(0)
+    venv_bin = Path(sys.executable).parent
+    return [str(venv_bin / a.removeprefix(".venv/bin/")) if a.startswith(".venv/bin/") else a
+            for a in shlex.split(line)]
+
+
+def wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None, path.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, f"{text!r} did not come"
+        time.sleep(0.2)
+
+
+def end(launcher: subprocess.Popen, ranks: dict[int, int]) -> None:
+    for pid in ranks.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.kill()
+    launcher.wait()
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_the_books_launch_command_fails_when_a_worker_dies(tmp_path):
+    """The chapter's launch of the chat on 3 ranks, rank 1 killed while the chat waits for
+    input: the launch exits non-zero (mlx.launch alone exits 0), and rank 0 writes its own
+    error naming rank 1 (not ended silently by the launcher's SIGTERM)."""
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        launcher = subprocess.Popen(book_launch_command(), stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=stderr, cwd=TESTS.parent)
+    ranks: dict[int, int] = {}
+    try:
+        wait_for(err, "chat with the model", launcher)
+        ranks = launched_ranks(launcher.pid)
+        assert sorted(ranks) == [0, 1, 2]
+        os.kill(ranks[1], signal.SIGKILL)
+        code = launcher.wait(60)
+    finally:
+        end(launcher, ranks)
+    out = err.read_text(errors="replace")
+    assert code != 0, out[-3000:]
+    assert "tiny-llm: error: tensor-parallel worker rank 1 has exited" in out, out[-3000:]
+
+
+RANK_1_EXITS = textwrap.dedent("""
+    import os, sys, time
+    print("up", os.environ["MLX_RANK"], flush=True)
+    if os.environ["MLX_RANK"] == "1":
+        sys.exit(int(sys.argv[1]))
+    time.sleep(120)
+""")
+
+
+@pytest.mark.device_independent  # processes, not device decisions
+@pytest.mark.parametrize("rank_1", [3, 0])
+def test_the_launch_exits_with_the_ranks_status(tmp_path, rank_1):
+    """Rank 1 exits 3 and the launcher ends rank 0 with SIGTERM: the launch exits 3, the
+    status rank 1 chose. Rank 1 exits 0: rank 0 runs on until Ctrl-C, which ends it and the
+    launch with 130."""
+    out = tmp_path / "stdout"
+    launch = [sys.executable, "-m", "tiny_llm.cli", "launch", "-n", "2", "--", sys.executable,
+              "-c", RANK_1_EXITS, str(rank_1)]
+    with open(out, "wb") as stdout:
+        launcher = subprocess.Popen(launch, stdin=subprocess.PIPE, stdout=stdout)
+    ranks: dict[int, int] = {}
+    try:
+        if rank_1 == 0:
+            wait_for(out, "up 0", launcher)
+            ranks = launched_ranks(launcher.pid)
+            assert 0 in ranks
+            launcher.send_signal(signal.SIGINT)
+        code = launcher.wait(60)
+        for pid in ranks.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        end(launcher, ranks)
+    assert code == (3 if rank_1 else 130)
+
+
+def ring_generate(tmp_path: Path, addresses: list[str]) -> LocalRanks:
+    """``tiny-llm generate`` on 2 ranks with these ring addresses."""
+    argv = ["-m", "tiny_llm.cli", "generate", "--prompt", "hi", "--tensor-parallel-size", "2"]
+    return LocalRanks(2, argv, tmp_path, addresses=addresses)
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_an_unreachable_rank_is_named_within_seconds(tmp_path):
+    """Rank 1's address is TEST-NET's 192.0.2.1: rank 1 refuses it as not this machine's,
+    and rank 0 names it within seconds (an error where the host drops the packets, a word
+    while it keeps trying where the connection is refused), without a traceback. MLX's
+    ring alone would wait in accept for ever."""
+    p0, p1 = free_ports(2)
+    ranks = ring_generate(tmp_path, [f"127.0.0.1:{p0}", f"192.0.2.1:{p1}"])
+    try:
+        assert ranks.procs[1].wait(60) == 2
+        deadline = time.monotonic() + 20
+        while f"rank 0 cannot reach rank 1 at 192.0.2.1:{p1}" not in ranks.output(0):
+            assert time.monotonic() < deadline, ranks.output(0)[-3000:]
+            time.sleep(0.2)
+    finally:
+        ranks.kill()
+    assert "192.0.2.1 is not an address of this machine" in ranks.output(1)
+    for r in range(2):
+        assert "Traceback" not in ranks.output(r), ranks.output(r)[-3000:]
+
+
+@pytest.mark.device_independent  # processes and sockets, not device decisions
+def test_a_busy_port_is_named(tmp_path):
+    """Another program listens on rank 0's ring port: rank 0 exits 2 with an error naming
+    the port and what to do, without a traceback."""
+    p0, p1 = free_ports(2)
+    with socket.create_server(("127.0.0.1", p0)):
+        ranks = ring_generate(tmp_path, [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"])
+        try:
+            code = ranks.procs[0].wait(60)
+        finally:
+            ranks.kill()
+    out = ranks.output(0)
+    assert code == 2, out[-3000:]
+    assert f"rank 0 cannot listen on 127.0.0.1:{p0}" in out and "--starting-port" in out, out
+    assert "Traceback" not in out
 
 
 SMALL_WORKER_SCRIPT = textwrap.dedent("""

@@ -1,5 +1,6 @@
 """``tiny-llm chat``, ``generate``, ``serve`` and ``course``: the engine and the course from
-a terminal. ``serve`` runs an OpenAI-compatible HTTP server (``server.py``).
+a terminal. ``serve`` runs an OpenAI-compatible HTTP server (``server.py``); ``launch``
+starts the ranks of a tensor-parallel run (``tensor_parallel.launch``).
 
 Both ``chat`` and ``generate`` run the serving engine (``LLMEngine``); every engine option
 is a flag (``--kv-cache dense``, ``--attention reference``, ``--num-pages 64``, ...), so
@@ -45,7 +46,7 @@ ENGINE_FLAGS = [
     ("--speculative-max-batch", "speculative_max_batch", int, "no drafts above this batch"),
     ("--draft-model", "draft_model", str, "the draft: an HF folder, hub id or .gguf file"),
     ("--tensor-parallel-size", "tensor_parallel_size", int,
-     "ranks the model is split over (start them with mlx.launch -n N --backend ring --)"),
+     "ranks the model is split over (start them with tiny-llm launch -n N --)"),
     ("--tensor-parallel-timeout", "tensor_parallel_timeout", float,
      "seconds a step may take, sent to the workers, before rank 0 gives up"),
     ("--logprobs-mode", "logprobs_mode", str, "what logprobs report: raw_logprobs (the "
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.choices["generate"]
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as-is")
+    # Everything after `launch` is mlx.launch's: no option of this parser may take it.
+    launch = sub.add_parser("launch", add_help=False, prefix_chars="\0",
+                            help="mlx.launch --backend ring, exiting non-zero if any rank fails "
+                                 "(tiny-llm launch --help: its options)")
+    launch.add_argument("mlx_launch_args", nargs=argparse.REMAINDER)
     course = sub.add_parser("course", help="the course: start a day, run its tests, status")
     steps = course.add_subparsers(dest="action", required=True)
     steps.add_parser("start", help="write a day's stubs into workspace/").add_argument(
@@ -339,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "course":
             return run_course(args)
+        if args.command == "launch":
+            from tiny_llm.tensor_parallel import launch
+
+            return launch(args.mlx_launch_args)
         if args.command == "launch":
             from tiny_llm.tensor_parallel import launch
 

@@ -47,10 +47,18 @@ error on each, before the weights of a safetensors checkpoint are read (a GGUF f
 whole first: MLX loads its tensors eagerly, so a model too large for one machine must come
 as safetensors). Each worker checks that its own memory holds rank 0's page count before
 allocating its pool.
+
+**The launch.** ``tiny-llm launch`` runs ``mlx.launch`` and exits non-zero when a rank
+failed (mlx.launch itself exits 0 whatever its ranks did). mlx.launch ends the other ranks
+with SIGTERM once one exits: rank 0 then reports a lost worker and exits 1. Before MLX's
+ring is built, the ranks check its connections themselves (``_meet``), so that a busy port,
+an address that is not the machine's or a host that does not answer fails within seconds
+with a message naming it.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -76,10 +84,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-CONNECT_TIMEOUT = 120.0  # seconds for every worker to reach rank 0 at start-up
+CONNECT_TIMEOUT = 30.0  # seconds every rank has to show up at start-up (as MLX's ring)
+REACH_TIMEOUT = 5.0  # seconds a host has to answer a connection (a live one answers at once)
+RETRY_WAIT = 0.2  # seconds between connections to a port nothing listens on yet
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to name itself
 HELLO_BYTES = 4096  # the longest greeting read from a connection not yet trusted
 EXIT_GRACE = 2.0  # seconds between finding a rank gone and ending this one
+LOST_WAIT = 1.0  # seconds rank 0 waits, on a sign of a lost worker, for its connection to close
 STOP_TIMEOUT = 10.0  # seconds rank 0 waits, at its end, for the workers to exit
 
 
@@ -241,17 +252,168 @@ def sharded_group(model: Model) -> mx.distributed.Group | None:
 @functools.cache
 def join(size: int) -> Ranks:
     """This process's place among ``size`` ranks started by ``mlx.launch``, connected to
-    rank 0 (rank 0: connected to every worker). Once per process."""
+    rank 0 (rank 0: connected to every worker), the ring's connections checked before MLX
+    makes them. Once per process."""
     if "MLX_RANK" not in os.environ:
         raise ValueError(
             f"tensor_parallel_size={size} runs one process per rank: start them with "
-            f"`mlx.launch -n {size} --backend ring -- <this command>` (several machines: "
+            f"`tiny-llm launch -n {size} -- <this command>` (several machines: "
             f"--hostfile; see the book's 'Beyond one machine')")
-    group = mx.distributed.init(strict=True, backend="ring")
-    if group.size() != size:
+    nodes = _ring_nodes()
+    if len(nodes) != size:
         raise ValueError(f"tensor_parallel_size={size}, but mlx.launch started "
-                         f"{group.size()} processes")
-    return Ranks(group, _connect(group))
+                         f"{len(nodes)} processes")
+    rank = int(os.environ["MLX_RANK"])
+    if not 0 <= rank < size:
+        raise ValueError(f"MLX_RANK={rank}, but the hostfile names {size} ranks")
+    _meet(rank, nodes)
+    try:
+        group = mx.distributed.init(strict=True, backend="ring")
+    except RuntimeError as e:
+        if not ring_failed(e):
+            raise
+        raise TensorParallelError(f"rank {rank} could not join the ring ({e}); its "
+                                  f"addresses: {_addresses(nodes[rank])}") from None
+    return Ranks(group, _connect(group, nodes[0][0][0]))
+
+
+def ring_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a failure of MLX's ring backend (a peer lost, a socket that could not
+    bind or connect). MLX raises these as a plain RuntimeError whose message starts with the
+    backend's tag, ``[ring]``: it has no exception type of its own to catch."""
+    return isinstance(e, RuntimeError) and str(e).startswith("[ring]")
+
+
+def _ring_nodes() -> list[list[tuple[str, int]]]:
+    """Every rank's ring addresses, ``(host, port)``, from the hostfile ``mlx.launch`` wrote
+    (``MLX_HOSTFILE``: a JSON list of each rank's ``"ip:port"`` strings, empty for one
+    process)."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        raise ValueError("MLX_RANK is set but MLX_HOSTFILE is not: start the ranks with "
+                         "`tiny-llm launch`")
+    with open(path) as f:
+        text = f.read().strip()
+    if not text:
+        return [[]]
+    return [[(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in node]
+            for node in json.loads(text)]
+
+
+def _addresses(node: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{host}:{port}" for host, port in node)
+
+
+def _meet(rank: int, nodes: list[list[tuple[str, int]]]) -> None:
+    """Check the ring's connections before MLX makes them, so that a wrong address or a busy
+    port fails within seconds with a message naming it. MLX's ring (``mx.distributed.init``,
+    which holds the GIL throughout) would block in ``accept`` until its left neighbour
+    connects, retry a refused or unanswered connection for about 30 s, and name a busy port
+    by its errno only. Here every rank listens on its own addresses, connects to its right
+    neighbour's and says who it is; once a rank has closed its listeners it tells its left
+    neighbour, which only then goes on to MLX's ring, whose connections therefore never
+    reach one of these listeners."""
+    size = len(nodes)
+    left, right = (rank - 1) % size, (rank + 1) % size
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    listeners = [_listen(rank, address) for address in nodes[rank]]
+    channels: list[Channel] = []
+    try:
+        outgoing = []
+        for address in nodes[right]:
+            outgoing.append(_reach(rank, right, address, deadline))
+            channels.append(outgoing[-1])
+        incoming = []
+        for listener, address in zip(listeners, nodes[rank], strict=True):
+            incoming.append(_accept_neighbour(listener, rank, left, address, deadline))
+            channels.append(incoming[-1])
+            listener.close()
+        for channel in incoming:
+            channel.send({"ring": "listeners closed"})
+        for channel, (host, port) in zip(outgoing, nodes[right], strict=True):
+            if _greeting(channel.sock, deadline) != {"ring": "listeners closed"}:
+                raise TensorParallelError(
+                    f"rank {rank}: {host}:{port}, rank {right}'s address in the hostfile, took "
+                    f"the connection but did not answer as rank {right} of this launch within "
+                    f"{CONNECT_TIMEOUT:g} s (another program on that port?)")
+    finally:
+        for s in listeners + [c.sock for c in channels]:
+            s.close()
+
+
+def _listen(rank: int, address: tuple[str, int]) -> socket.socket:
+    host, port = address
+    try:
+        return socket.create_server(address)  # SO_REUSEADDR, as MLX's ring binds
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = ("the port is in use (an earlier launch still running, or another program): "
+                   "end it, or start the ranks on other ports (tiny-llm launch --starting-port)")
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = (f"{host} is not an address of this machine: correct this host's ips in the "
+                   f"hostfile")
+        else:
+            why = e.strerror
+        raise TensorParallelError(f"rank {rank} cannot listen on {host}:{port}, its address "
+                                  f"in the hostfile: {why}") from None
+
+
+def _reach(rank: int, right: int, address: tuple[str, int], deadline: float) -> Channel:
+    """A connection to rank ``right``'s address, on which this rank names itself. Refused
+    means nothing listens there yet: tried again until the deadline, with a word on stderr
+    after ``REACH_TIMEOUT`` seconds. No answer (a host that drops the packets) or no route
+    fails at once."""
+    host, port = address
+    what = f"rank {rank} cannot reach rank {right} at {host}:{port}, its address in the hostfile"
+    check = f"is rank {right} running, and is that its address?"
+    noted = time.monotonic() + REACH_TIMEOUT
+    while True:
+        wait = min(REACH_TIMEOUT, _left(deadline))
+        try:
+            sock = socket.create_connection(address, timeout=wait)
+        except ConnectionRefusedError:
+            if _left(deadline) <= RETRY_WAIT:
+                raise TensorParallelError(f"{what}: the connection was refused for "
+                                          f"{CONNECT_TIMEOUT:g} s: {check}") from None
+            if noted is not None and time.monotonic() > noted:
+                _say(f"{what}, yet: the connection is refused ({check}); trying for "
+                     f"{deadline - time.monotonic():.0f} s more")
+                noted = None
+            time.sleep(RETRY_WAIT)
+            continue
+        except TimeoutError:
+            raise TensorParallelError(f"{what}: no answer within {wait:.1f} s: is that host "
+                                      f"up, and does a firewall let port {port} through?") from None
+        except OSError as e:
+            raise TensorParallelError(f"{what}: {e.strerror}") from None
+        sock.settimeout(None)
+        channel = Channel(sock)
+        channel.send({"ring": rank})
+        return channel
+
+
+def _accept_neighbour(listener: socket.socket, rank: int, left: int, address: tuple[str, int],
+                      deadline: float) -> Channel:
+    """The connection on which rank ``left`` names itself (others are closed: strangers, or
+    a connection of an earlier launch still retrying)."""
+    while True:
+        listener.settimeout(_left(deadline))
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            host, port = address
+            raise TensorParallelError(
+                f"rank {rank}: rank {left} did not connect to {host}:{port} within "
+                f"{CONNECT_TIMEOUT:g} s: is it running, and can it reach this host?") from None
+        if _greeting(sock, min(deadline, time.monotonic() + HELLO_TIMEOUT)) == {"ring": left}:
+            return Channel(sock)
+        sock.close()
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (never zero: a zero timeout would make a socket
+    non-blocking)."""
+    return max(1e-3, deadline - time.monotonic())
 
 
 @dataclass
@@ -264,11 +426,10 @@ class Ranks:
         return self.group.rank()
 
 
-def _connect(group: mx.distributed.Group) -> dict[int, Channel]:
-    """Rank 0 listens on an ephemeral port of the address ``mlx.launch`` gave it and tells
-    the workers the port and a one-time token through one collective; each worker
+def _connect(group: mx.distributed.Group, host: str) -> dict[int, Channel]:
+    """Rank 0 listens on an ephemeral port of ``host``, the address ``mlx.launch`` gave it,
+    and tells the workers the port and a one-time token through one collective; each worker
     connects and names itself."""
-    host = _rank0_host()
     rank, size = group.rank(), group.size()
     listener = None
     word = np.zeros(4, np.int32)
@@ -307,26 +468,23 @@ def _connect(group: mx.distributed.Group) -> dict[int, Channel]:
 def _hello(sock: socket.socket, token: str, size: int) -> int | None:
     """The worker rank a new connection names with the right token, else None (a stranger,
     a silent peer or a malformed greeting)."""
-    sock.settimeout(HELLO_TIMEOUT)
-    try:
-        hello, _ = Channel(sock).receive(limit=HELLO_BYTES)
-    except (ValueError, TypeError, KeyError, AttributeError, struct.error):  # not our framing
-        return None
-    sock.settimeout(None)
-    if not isinstance(hello, dict) or hello.get("token") != token:
+    hello = _greeting(sock, time.monotonic() + HELLO_TIMEOUT)
+    if hello is None or hello.get("token") != token:
         return None
     rank = hello.get("rank")
     return rank if isinstance(rank, int) and 0 < rank < size else None
 
 
-def _rank0_host() -> str:
-    """Rank 0's address, as ``mlx.launch`` wrote it in the ring's hostfile."""
-    path = os.environ.get("MLX_HOSTFILE")
-    if not path:
-        return "127.0.0.1"
-    with open(path) as f:
-        text = f.read().strip()
-    return json.loads(text)[0][0].rsplit(":", 1)[0] if text else "127.0.0.1"
+def _greeting(sock: socket.socket, deadline: float) -> dict[str, Any] | None:
+    """The first message on a connection not yet trusted, if it comes before ``deadline``
+    and is a short JSON object in our framing; else None."""
+    sock.settimeout(_left(deadline))
+    try:
+        hello, _ = Channel(sock).receive(limit=HELLO_BYTES)
+    except (ValueError, TypeError, KeyError, AttributeError, struct.error):  # not our framing
+        return None
+    sock.settimeout(None)
+    return hello if isinstance(hello, dict) else None
 
 
 class Channel:
@@ -419,9 +577,11 @@ class Workers:
         self.lost: set[int] = set()
         self.kv_cache_bytes: dict[int, int] = {}  # each worker's page pool
         self.failure: TensorParallelError | None = None
+        self._failure_raised = False  # a step raised it: its caller reports it
         self._step_started: float | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self._sigterm: Any = signal.SIG_DFL  # what SIGTERM did before start()
 
     def start(self, setup: dict[str, Any]) -> None:
         """Send every worker the engine it builds (pool size, backend, kernels); wait until
@@ -437,6 +597,8 @@ class Workers:
                 raise TensorParallelError(f"worker rank {rank} could not start: {why}")
             self.kv_cache_bytes[rank] = reply["kv_cache_bytes"]
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        if threading.current_thread() is threading.main_thread():  # where handlers are set
+            self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _send(self, batch: StepBatch) -> None:
         header, arrays = step_message(batch)
@@ -445,7 +607,7 @@ class Workers:
                 channel.send(header, arrays)
             except OSError:
                 self._lose(rank)
-                raise self.failure from None
+                raise self._raised() from None
 
     @contextmanager
     def step(self, batch: StepBatch):
@@ -453,30 +615,40 @@ class Workers:
         before the send. A step that fails once sent may leave the ranks in different
         collectives: no later step runs."""
         if self.failure is not None:
-            raise self.failure
+            raise self._raised()
         with self._lock:
             self._step_started = time.monotonic()
         try:
             self._send(batch)
             yield
         except BaseException as e:
-            if "[ring]" in str(e):
-                self._find_lost(wait=1.0)  # a closed connection says which worker exited
+            if ring_failed(e):
+                self._find_lost(wait=LOST_WAIT)  # a closed connection says which worker exited
             if self.failure is None:
                 self.failure = TensorParallelError(
                     f"a tensor-parallel step failed on rank 0 after it was sent to the "
                     f"workers ({type(e).__name__}: {e}); the ranks may no longer be in step, "
                     f"so no later step runs")
-            raise self.failure from e
+            raise self._raised() from e
         finally:
             with self._lock:
                 self._step_started = None
 
+    def _raised(self) -> TensorParallelError:
+        """The failure, to raise: its caller now knows (and reports it)."""
+        self._failure_raised = True
+        return self.failure
+
     def stop(self) -> None:
         """Tell every worker to exit (at rank 0's end), and wait until each has: one still
-        finishing the last step would find the ring closed under it."""
+        finishing the last step would find the ring closed under it. A worker found gone
+        that no step has reported (rank 0 idle, or ended by a signal) ends rank 0 with
+        status 1 and the error on stderr, not a silent success."""
         if self._stopped:
             return
+        self._find_lost(wait=0.0)
+        if self.lost and not self._failure_raised:
+            _exit(f"{self.failure}; rank 0 exits")
         self._stopped = True
         for channel in self.channels.values():
             try:
@@ -488,17 +660,34 @@ class Workers:
             channel.sock.settimeout(max(0.0, deadline - time.monotonic()))
             channel.receive()  # nothing more is sent: this returns at the worker's exit
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM on rank 0. ``mlx.launch`` sends it to the other ranks when one exits: with a
+        worker gone, rank 0 says so and exits 1 rather than die without a word. Otherwise
+        SIGTERM does what it did before."""
+        if not self._stopped:
+            self._find_lost(wait=LOST_WAIT)  # a remote worker's end may come a moment later
+            if self.failure is not None:
+                _exit(f"{self.failure}; rank 0 exits")
+        if callable(self._sigterm):
+            self._sigterm(signum, frame)
+        elif self._sigterm != signal.SIG_IGN:  # the default: end by the signal, as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+
     def _lose(self, rank: int) -> None:
+        """Mark ``rank`` gone; the error names the first found (mlx.launch ends the other
+        ranks once one has exited, and ``_find_lost`` reads them in rank order)."""
+        if not self.lost:
+            self.failure = TensorParallelError(f"tensor-parallel worker rank {rank} has "
+                                               f"exited; rank 0 cannot serve without its shard")
         self.lost.add(rank)
-        self.failure = TensorParallelError(f"tensor-parallel worker rank {rank} has exited; "
-                                           f"rank 0 cannot serve without its shard")
 
     def _find_lost(self, wait: float) -> None:
         """Mark the workers whose connection has closed (they exited), waiting up to
         ``wait`` seconds for one to."""
         socks = {c.sock: r for r, c in self.channels.items() if r not in self.lost}
         readable, _, _ = select.select(list(socks), [], [], wait) if socks else ([], [], [])
-        for sock in readable:
+        for sock in sorted(readable, key=socks.get):
             if _closed(sock):
                 self._lose(socks[sock])
 
@@ -533,9 +722,13 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _exit(message: str) -> None:
-    sys.stderr.write(f"tiny-llm: error: {message}\n")
-    sys.stderr.flush()
+    _say(f"error: {message}")
     os._exit(1)
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"tiny-llm: {message}\n")
+    sys.stderr.flush()
 
 
 # ---------------------------------------------------------------- the workers
@@ -605,3 +798,42 @@ def _watch_rank0(sock: socket.socket, in_step: threading.Event, gone: str) -> No
             waiting_since = None
         if readable:
             time.sleep(0.05)  # the main thread reads what waits (or the end) itself
+
+
+# ---------------------------------------------------------------- the launch
+
+def launch(argv: list[str]) -> int:
+    """``mlx.launch --backend ring`` with ``argv`` (its options, ``--``, the command), exiting
+    as its ranks did: 0 when every rank exited 0; else the first failing status a rank exited
+    with itself, in rank order; else 128 + N for the first rank ended by signal N (the
+    launcher ends the others with SIGTERM when one exits). mlx.launch itself exits 0 whatever
+    its ranks did (its ``main`` returns nothing), so it runs here in this process, with a
+    record of the processes it starts. Ctrl-C ends the ranks: rank 0 first, so that the
+    workers see it go rather than rank 0 a worker."""
+    from mlx._distributed_utils import launch as mlx_launch
+
+    started: dict[int, Any] = {}  # rank: mlx.launch's RemoteProcess
+
+    class Recorded(mlx_launch.RemoteProcess):
+        def __init__(self, rank: int, *args: Any):
+            super().__init__(rank, *args)
+            started[rank] = self
+
+    original, argv0 = mlx_launch.RemoteProcess, sys.argv
+    mlx_launch.RemoteProcess = Recorded
+    sys.argv = ["tiny-llm launch", "--backend", "ring", *argv]
+    try:
+        mlx_launch.main()
+    except KeyboardInterrupt:
+        for rank in sorted(started):
+            started[rank].process.terminate()
+            started[rank].process.wait()
+        return 130
+    finally:
+        mlx_launch.RemoteProcess, sys.argv = original, argv0
+    if not started:
+        raise ValueError("mlx.launch started no rank: tiny-llm launch runs the ring backend "
+                         "only (no --backend)")
+    codes = [started[rank].process.wait() for rank in sorted(started)]
+    own, signalled = [c for c in codes if c > 0], [128 - c for c in codes if c < 0]
+    return (own or signalled or [0])[0]

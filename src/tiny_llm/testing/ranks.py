@@ -1,11 +1,13 @@
 """Ranks on one machine, as ``mlx.launch -n N --backend ring`` starts them: one process per
 rank with ``MLX_RANK`` and a ring hostfile on 127.0.0.1, started here so that a test or a
-benchmark knows each rank's process (to read its output, stop it or kill it)."""
+benchmark knows each rank's process (to read its output, stop it or kill it); and the ranks
+a running ``mlx.launch`` (or ``tiny-llm launch``) started, found by their environment."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,12 +29,14 @@ def free_ports(n: int) -> list[int]:
 
 class LocalRanks:
     """``n`` processes of ``argv`` (after the Python interpreter), rank r's output in
-    ``directory / f"rank{r}.log"``."""
+    ``directory / f"rank{r}.log"``; ``addresses``: each rank's ``"ip:port"`` in the ring's
+    hostfile (by default free ports on 127.0.0.1)."""
 
     def __init__(self, n: int, argv: list[str], directory: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, addresses: list[str] | None = None):
+        addresses = addresses or [f"127.0.0.1:{p}" for p in free_ports(n)]
         hostfile = directory / "hostfile.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+        hostfile.write_text(json.dumps([[a] for a in addresses]))
         self.logs = [directory / f"rank{r}.log" for r in range(n)]
         self.procs = []
         for r in range(n):
@@ -63,3 +67,21 @@ class LocalRanks:
 
     def output(self, rank: int) -> str:
         return self.logs[rank].read_text(errors="replace")
+
+
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """The process id of every rank the launcher ``launcher`` (a process id) has started on
+    this machine, by rank: its children whose environment holds ``MLX_RANK`` (``ps``)."""
+    table = _ps("-A", "-o", "pid=,ppid=")
+    children = [int(pid) for pid, ppid in (row.split() for row in table.splitlines())
+                if int(ppid) == launcher]
+    ranks = {}
+    for pid in children:
+        rank = re.search(r"\bMLX_RANK=(\d+)", _ps("eww", "-o", "command=", "-p", str(pid)))
+        if rank:
+            ranks[int(rank.group(1))] = pid
+    return ranks
+
+
+def _ps(*args: str) -> str:
+    return subprocess.run(["ps", *args], capture_output=True, text=True).stdout
