@@ -349,10 +349,6 @@ def main(argv: list[str] | None = None) -> int:
             from tiny_llm.tensor_parallel import launch
 
             return launch(args.mlx_launch_args)
-        if args.command == "launch":
-            from tiny_llm.tensor_parallel import launch
-
-            return launch(args.mlx_launch_args)
         if args.learner:
             os.environ.setdefault("TINY_LLM_LEARNER", "1")  # before any day is imported
             from tiny_llm import learner
