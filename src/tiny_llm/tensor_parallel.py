@@ -449,7 +449,7 @@ def _connect(group: mx.distributed.Group, host: str) -> dict[int, Channel]:
     deadline = time.monotonic() + CONNECT_TIMEOUT
     try:
         while len(channels) < size - 1:
-            listener.settimeout(max(0.0, deadline - time.monotonic()))
+            listener.settimeout(_left(deadline))
             sock, _ = listener.accept()
             rank_of = _hello(sock, token, size)
             if rank_of is None or rank_of in channels:  # not one of ours: closed, not trusted
