@@ -174,12 +174,15 @@ def test_starting_a_day_again_keeps_every_edited_region(tmp_path, monkeypatch):
     assert TASKS["5.3"].message in files["4.2"].read_text()  # Day 5's task came as a stub
 
 
-def test_reset_gives_a_tasks_stub_back_and_saves_the_file(tmp_path, monkeypatch):
+def test_reset_gives_a_tasks_stub_back_and_saves_the_file(tmp_path, monkeypatch, capsys):
+    from tiny_llm import cli
+
     monkeypatch.setenv(learner.ENV, str(tmp_path))
     course.start(4)
     target = edit_region(tmp_path, "4.2", EDITS["4.2"])
     edit_region(tmp_path, "4.3", "  /* my row copies */")
-    (line,) = course.reset("4.2")
+    assert cli.main(["course", "reset", "4.2"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
     text = target.read_text()
     assert TASKS["4.2"].message in text and EDITS["4.2"] not in text
     assert "/* my row copies */" in (tmp_path / "extensions" / "ops.cpp").read_text()
@@ -187,6 +190,7 @@ def test_reset_gives_a_tasks_stub_back_and_saves_the_file(tmp_path, monkeypatch)
     assert EDITS["4.2"] in backup.read_text() and str(backup) in line
     with pytest.raises(ValueError, match="Day 5 is not started"):
         course.reset("5.3")
+    assert cli.main(["course", "reset", "4.9"]) == 2  # no such task: an error, not a trace
     with pytest.raises(ValueError, match="takes a task"):
         course.reset("4")
 
@@ -454,6 +458,28 @@ KERNEL_MUTANTS = {
 }
 
 
+# More of the mistakes a learner makes, where a task has several likely ones: the chunk's
+# offset, a slot taken twice, one slot too many, an exact fit refused, a waiting request left
+# queued, a shared page freed under its other reader, prefix hashes not chained, the newest
+# prompt first, garbage past the visible keys.
+MORE_MUTANTS = [
+    ("1.1", D1, "if needed > self.left:", "if needed >= self.left:"),
+    ("1.2", D1, "        if request not in self.slot_of:\n            self.slot_of[request] = "
+     "self.free_slots.pop()", "        self.slot_of[request] = self.free_slots.pop()"),
+    ("1.3", D1, "        elif req in self.waiting:\n            self.waiting.remove(req)\n", ""),
+    ("1.4", D1, "len(self.running) < self.max_num_seqs", "len(self.running) <= self.max_num_seqs"),
+    ("1.6", D1, "cache.attend_at(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale, chunk.start)",
+     "cache.attend(layer, q[lo:hi], k[lo:hi], v[lo:hi], scale)"),
+    ("2.2", D2, "return decodes + prefills  #", "return decodes + prefills[::-1]  #"),
+    ("3.4", D3, "block.ref_count -= 1", "block.ref_count = 0"),
+    ("3.5", D3, "parent = page_hash(parent, page_tokens)\n            block_id",
+     "parent = page_hash(None, page_tokens)\n            block_id"),
+    ("4.1", D4, "v = mx.where(visible.reshape(T, page_size, 1, 1), v, 0.0)", "v = v"),
+    ("5.2", D5, "v = mx.where(seen, v, 0.0)", "v = v"),
+]
+ALL_MUTANTS = [(task_id, *m) for task_id, m in MUTANTS.items()] + MORE_MUTANTS
+
+
 def test_every_task_has_a_mistake_to_catch():
     assert set(MUTANTS) == {t.id for t in PYTHON_TASKS}
     assert set(KERNEL_MUTANTS) == {t.id for t in TASKS.values() if t.kind == "kernel"}
@@ -476,9 +502,10 @@ def mistake_fails(task: course.Task, wrong: str, ws: Path, env: dict[str, str] |
                                  f"passes its tests\n{(run.stdout + run.stderr)[-2000:]}")
 
 
-@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
-def test_a_learners_mistake_fails_the_tasks_tests(task, tmp_path):
-    file, right, wrong = MUTANTS[task.id]
+@pytest.mark.parametrize("task_id,file,right,wrong", ALL_MUTANTS,
+                         ids=[f"{m[0]}-{n}" for n, m in enumerate(ALL_MUTANTS)])
+def test_a_learners_mistake_fails_the_tasks_tests(task_id, file, right, wrong, tmp_path):
+    task = TASKS[task_id]
     target = tmp_path / file
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(planted(task, file, right, wrong))

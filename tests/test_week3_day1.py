@@ -90,6 +90,53 @@ def test_more_requests_than_slots_all_complete_and_slots_are_reused(
     assert sorted(engine.kv.free_slots) == [0, 1, 2]
 
 
+class FailsAfterStoring:
+    """The engine's attention, failing once, in its ``at``-th layer call, after that layer's
+    K/V is stored: the engine retries the step, which must store the same positions again."""
+
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.calls = inner, at, 0
+        self.name, self.storage = inner.name, inner.storage
+
+    def begin_step(self, step):
+        self.inner.begin_step(step)
+
+    def attend(self, *args):
+        out = self.inner.attend(*args)
+        self.calls += 1
+        if self.calls == self.at:
+            mx.eval(out, self.inner.state())  # this layer's rows are in the cache now
+            raise RuntimeError("injected after the layer's K/V was stored")
+        return out
+
+    def state(self):
+        return self.inner.state()
+
+
+@pytest.mark.task("1.6")
+@pytest.mark.parametrize("at", [1, 6])  # a prefill's first layer; a decode's first layer
+def test_a_retried_step_stores_its_chunks_at_their_own_positions(tiny_model, smollm_tokenizer,
+                                                                  at):
+    """A chunk's K/V goes at ``chunk.start ..`` of its cache, not after whatever the cache
+    holds: a step that failed after its first layer stored its rows is run again, and must
+    overwrite those rows, not append after them."""
+    prompts = random_prompts(3, seed=11)
+    engine = LLMEngine(tiny_model, smollm_tokenizer, max_num_seqs=3, **DAY1)
+    ids = [engine.add_request({"prompt_token_ids": p}, greedy(5)) for p in prompts]
+    engine.runner.attention = FailsAfterStoring(engine.runner.attention, at)
+    tokens, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            failures += 1
+            continue
+        tokens.update({o.request_id: o.outputs[0].token_ids for o in outputs if o.finished})
+    assert failures == 1
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert tokens[rid] == alone(tiny_model, smollm_tokenizer, prompt, greedy(5))[0]
+
+
 def test_stop_string_across_token_boundary_is_excluded(tiny_model, smollm_tokenizer):
     prompt = random_prompts(1, 4)[0]
     tokens, text = alone(tiny_model, smollm_tokenizer, prompt, greedy(24))
@@ -427,3 +474,13 @@ def test_admission_fills_free_slots_in_order_within_the_budget(policy):
     assert scheduler.may_admit() == (policy == "continuous")
     scheduler.running = []
     assert scheduler.may_admit()
+    # The slots bound admission as the budget does: three slots, three requests, however
+    # many tokens the step has left.
+    plan = {}
+    scheduler.admit(plan, StepBudget(100))
+    assert list(plan) == reqs[2:] and len(scheduler.running) == 2
+    more = [SimRequest(i, 1, 1) for i in range(4, 8)]
+    for r in more:
+        scheduler.add(r)
+    scheduler.admit(plan, StepBudget(100))
+    assert len(scheduler.running) == 3 and list(scheduler.waiting) == more[1:]

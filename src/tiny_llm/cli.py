@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     steps = course.add_subparsers(dest="action", required=True)
     steps.add_parser("start", help="write a day's stubs into workspace/").add_argument(
         "day", type=int)
+    steps.add_parser("reset", help="a task's stub back in your workspace (your file is saved "
+                     "first)").add_argument("task", help="a task, such as 3.2")
     steps.add_parser("tasks", help="list the tasks of the course")
     steps.add_parser("status", help="pass / fail / not started, per task")
     test = steps.add_parser("test", help="run a day's or a task's tests on your workspace",
