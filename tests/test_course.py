@@ -275,23 +275,45 @@ def test_stubbing_a_cpp_task_alone_fails_its_tests(task, switchable_extension):
 
 
 @needs_linux_compiler
-def test_the_fully_stubbed_extension_builds_and_raises_the_first_tasks_error(tmp_path):
-    from tiny_llm.testing.paged import make_paged_case
+def test_the_fully_stubbed_extension_compiles_and_raises_the_first_tasks_error(
+        tmp_path, switchable_extension):
+    """The C++ files as ``start`` writes them for Days 4 and 5 (every kernel task a stub)
+    compile with the extension's own flags (a stub leaves its function's parameters unused:
+    warned, not an error); built, they raise the first task's message each op reaches (the
+    switchable build, every task stubbed at once)."""
+    import subprocess
 
-    import mlx.core as mx
+    sys.path.insert(0, str(course.SRC.parents[1] / "tools"))
+    from clang_check import GCC_BUILD, syntax_only
 
+    if not (GCC_BUILD / "compile_commands.json").exists():
+        pytest.skip(f"no configured build of the extension in {GCC_BUILD} (make setup)")
     os.environ[learner.ENV] = str(tmp_path)
     try:
         course.start(4)
         course.start(5)
     finally:
         del os.environ[learner.ENV]
-    ext = learner.learner_extension(tmp_path)
-    case = make_paged_case([(20, 1), (9, 3)])
-    with pytest.raises(RuntimeError, match=re.escape(TASKS["4.2"].message)):
-        mx.eval(ext.paged_attention(*case.args(), tiled=False))
-    with pytest.raises(RuntimeError, match=re.escape(TASKS["5.3"].message)):
-        mx.eval(ext.paged_attention(*case.args(), tiled=True))
+    for path in sorted({r.path for t in CPP_TASKS for r in t.regions}):
+        stubbed_file = tmp_path / path
+        assert all(TASKS[t.id].message in stubbed_file.read_text() for t in CPP_TASKS
+                   if any(r.path == path for r in t.regions))
+        run = subprocess.run(syntax_only(stubbed_file, path.name), capture_output=True, text=True)
+        assert run.returncode == 0, f"{path} as stubbed does not compile:\n{run.stderr[-3000:]}"
+    script = ("import tiny_llm, mlx.core as mx, sys\n"
+              "from tiny_llm import learner\n"
+              "from tiny_llm.testing.paged import make_paged_case\n"
+              "ext = learner.learner_extension(learner.workspace())\n"
+              "case = make_paged_case([(20, 1), (9, 3)])\n"
+              "for tiled in (False, True):\n"
+              "    try:\n"
+              "        mx.eval(ext.paged_attention(*case.args(), tiled=tiled))\n"
+              "    except RuntimeError as e:\n"
+              "        print(e)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, learner.ENV: str(switchable_extension),
+                              "TINY_LLM_STUB_TASK": ",".join(t.id for t in CPP_TASKS)})
+    assert run.stdout.splitlines() == [TASKS["4.2"].message, TASKS["5.3"].message], run.stderr
 
 
 @needs_linux_compiler

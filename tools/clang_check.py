@@ -127,6 +127,32 @@ def fetch_macos_headers() -> None:
                 target.write_bytes(wheel.read(name))
 
 
+def project_entries() -> list[dict[str, str]]:
+    """The configured build's (``build/ext``) compile commands of the project's own files."""
+    entries = json.loads((GCC_BUILD / "compile_commands.json").read_text())
+    return [e for e in entries if e["file"].startswith(str(SOURCES))]  # not nanobind's
+
+
+def compile_flags(entry: dict[str, str]) -> list[str]:
+    """A compile command's flags, without the compiler, the source and the output."""
+    args = iter(shlex.split(entry["command"])[1:])
+    flags = []
+    for arg in args:
+        if arg == "-o":
+            next(args)
+        elif arg not in ("-c", entry["file"]):
+            flags.append(arg)
+    return flags
+
+
+def syntax_only(source: Path, compiled_as: str) -> list[str]:
+    """The configured build's command for ``src/extensions/<compiled_as>``, checking
+    ``source`` instead, syntax only (a learner's copy of the file)."""
+    (entry,) = [e for e in project_entries() if Path(e["file"]).name == compiled_as]
+    compiler = shlex.split(entry["command"])[0]
+    return [compiler, *compile_flags(entry), "-fsyntax-only", str(source)]
+
+
 def macos_commands() -> list[tuple[str, list[str]]]:
     """(file, clang command) for each translation unit, for arm64-apple-macos14."""
     zig = zig_dir()
@@ -134,20 +160,10 @@ def macos_commands() -> list[tuple[str, list[str]]]:
         raise RuntimeError("the macOS compile needs the ziglang wheel (pip install ziglang)")
     if not (MACOS_MLX / "mlx").is_dir():
         raise RuntimeError(f"no macOS MLX headers in {MACOS_MLX}: run make setup")
-    entries = json.loads((GCC_BUILD / "compile_commands.json").read_text())
     out = []
-    for entry in entries:
-        if not entry["file"].startswith(str(SOURCES)):
-            continue  # nanobind's own sources
-        args = iter(shlex.split(entry["command"])[1:])
-        flags = []
-        for arg in args:
-            if arg == "-o":
-                next(args)
-            elif arg == "-c" or arg == entry["file"] or arg.startswith(("-march", "-flto")):
-                continue
-            else:
-                flags.append(str(MACOS_MLX) if arg.endswith("mlx/include") else arg)
+    for entry in project_entries():
+        flags = [str(MACOS_MLX) if arg.endswith("mlx/include") else arg
+                 for arg in compile_flags(entry) if not arg.startswith(("-march", "-flto"))]
         headers = zig / "lib"
         command = [
             *_zig_clang(zig), "-target", MACOS_TARGET, "-fsyntax-only", "-nostdinc",
