@@ -91,7 +91,8 @@ def main() -> None:
     args = bench_parser(__doc__).parse_args()
     model, tokenizer, model_name = load_model(args.quick, num_hidden_layers=4)
     max_tokens = 16 if args.quick else 64
-    draft = (early_exit_draft(model, 1 if args.quick else 8), tokenizer)
+    draft_layers = 1 if args.quick else 8
+    draft = (early_exit_draft(model, draft_layers), tokenizer)
     batch1 = {
         "off": {},
         "ngram k=2": dict(speculative="ngram", num_speculative_tokens=2),
@@ -172,7 +173,8 @@ def main() -> None:
               rows1, ["", "", ".1f", ".1f", ".1f", ".2f", ".2f", ".2f", "", ""],
               f"{model_name}; {max_tokens} tokens per request, greedy; tok/s is the mean over "
               "the workload's prompts, median over rounds (min and max across rounds); "
-              "draft: the target's first 8 layers."),
+              f"draft: the target's first {draft_layers} of its "
+              f"{model.config.num_hidden_layers} layers."),
         Table("2. Output tok/s against batch size (repetitive prompts, all at once)",
               ["batch", "off", "ngram always", "× off", "ngram, default policy", "× off",
                "same tokens"],

@@ -22,6 +22,7 @@ pass.
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,25 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_collection_finish(session):
+    """``-k task_4`` on a day's file that holds none of Task 4's tests (a Metal task's live in
+    test_metal_kernels.py): say where they are, instead of a bare "no tests ran"."""
+    keyword = session.config.option.keyword
+    if session.items or not keyword:
+        return
+    chapter_days = {test_file: day for day, (_, _, test_file) in course.CHAPTERS.items()}
+    days = {chapter_days[Path(a.split("::")[0]).name] for a in session.config.args
+            if Path(a.split("::")[0]).name in chapter_days}
+    wanted = {f"{day}.{m[2]}" for m in re.finditer(r"task_(\d+_)?(\d+)", keyword)
+              for day in ({int(m[1][:-1])} if m[1] else days)}
+    write = session.config.pluginmanager.get_plugin("terminalreporter").write_line
+    for task in (course.tasks()[i] for i in sorted(wanted) if i in course.tasks()):
+        files = " and ".join(str(f.relative_to(course.TESTS.parent))
+                             for f in course.test_files(task))
+        write(f"Task {task.id}'s tests are in {files}: `tiny-llm course test {task.id}` runs "
+              "them all")
 
 
 @pytest.fixture(scope="session")

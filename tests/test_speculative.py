@@ -48,7 +48,9 @@ def test_the_rule_case_by_case():
     q = np.array([[0.25, 0.25, 0.5, 0.0], [0.1, 0.1, 0.8, 0.0]])
     # Draft 0 (p 0.5 >= q 0.25): accepted whatever the draw; draft 2 at position 1
     # (p = q): accepted; all accepted, the bonus comes from p[2] (draw 0.6 -> token 2).
-    assert speculative_accept([0, 2], p, q, Draws(0.99, 0.99, 0.6)) == (2, 2)
+    # Whether a draft kept for certain takes a draw is the learner's choice: the draws are
+    # alike, so both give the same bonus.
+    assert speculative_accept([0, 2], p, q, Draws(0.6, 0.6, 0.6)) == (2, 2)
     # Draft 2 at position 0: p 0.2 < q 0.5, accepted with probability 0.4.
     assert speculative_accept([2, 2], p, q, Draws(0.39, 0.0, 0.6))[0] == 2
     n, bonus = speculative_accept([2, 2], p, q, Draws(0.41, 0.5))
@@ -196,6 +198,9 @@ def test_random_accepts_and_rejects_conserve_pages():
         space.commit(seq, seq.num_tokens - 1)
         rewind(space, seq, seq.num_tokens - 1)
         bm.check_invariants()
+        # Rewound to exactly its accepted tokens: a partial last page stays.
+        assert bm.lengths[seq] == seq.num_tokens - 1
+        assert len(bm.tables[seq]) == -(-(seq.num_tokens - 1) // 4)
         for block in bm.blocks:  # a cached page holds tokens of a sequence, never drafts
             if block.token_ids is not None:
                 assert len(block.token_ids) == 4
