@@ -441,6 +441,10 @@ def test_a_result_directive_reads_its_table_and_fails_closed():
             '{{#result r 1 "tok/s" "policy!=static" "n<3" 1/x max :.2f}} at '
             '{{#result r env git_commit}}')
     assert book_results.substitute(text, "ch.md", cache) == "10.0 and 10–25, 0.04 at abc1234"
+    scaled = ('{{#result r 1 tok/s policy=continuous *0.5 :.2f}}, '
+              '{{#result r 1 tok/s policy=static /4 :.2f}}, {{#result r 1 tok/s *1e1 range :.0f}}, '
+              '{{#result r 1 tok/s /1e1 range :.1f}}')
+    assert book_results.substitute(scaled, "ch.md", cache) == "12.50, 2.50, 100–250, 1.0–2.5"
     for bad in ("r 1 tok/s", "r 2 tok/s policy=static", "r 1 speed policy=static",
                 "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n",
                 "r 1 tok/s policy=static :.2q"):
