@@ -262,7 +262,9 @@ class TokenLogprob:
     the engine's ``logprobs_mode`` names (``LOGPROBS_MODES``, vLLM's names):
 
     * ``raw_logprobs`` (the default): the model's own, the log-softmax of its logits
-      before anything the request's parameters do;
+      before anything the request's sampling parameters do, but after a structured output's
+      mask (vLLM applies the grammar before its sampler too): a record never lists a token
+      the grammar forbids;
     * ``processed_logprobs``: the distribution the token was drawn from: the logits after
       the grammar's mask, min_tokens, logit_bias and the repetition, frequency and presence
       penalties, divided by the temperature, renormalised over the tokens top-k, top-p
@@ -502,7 +504,7 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler],
 def _sample_on_host(raw: np.ndarray, s: RequestSampler, logprobs_mode: str) -> int:
     """A row's token: the grammar's mask, then the bias and penalties, then the argmax or
     the filtered draw; the token's record (with logprobs) and the matcher advanced."""
-    row = raw if s.constraint is None else constrained(raw, s.constraint)
+    masked = row = raw if s.constraint is None else constrained(raw, s.constraint)
     if s.params.penalized:
         row = penalize(row, s.params, s.history)
     wants_record = s.params.logprobs is not None
@@ -515,7 +517,7 @@ def _sample_on_host(raw: np.ndarray, s: RequestSampler, logprobs_mode: str) -> i
         if wants_record and logprobs_mode == "processed_logprobs":
             row = _kept_only(row, kept)
     if wants_record:
-        drawn_from = raw if logprobs_mode == "raw_logprobs" else row
+        drawn_from = masked if logprobs_mode == "raw_logprobs" else row
         s.logprobs.append(token_logprob(drawn_from, token, s.params.logprobs))
     if s.constraint is not None:
         s.constraint.consume(token)
