@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 
 from tiny_llm.device import rehearsing_gpu
-from tiny_llm.engine import LLMEngine
+from tiny_llm.engine import LLM, LLMEngine
 from tiny_llm.sampling import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
@@ -472,6 +472,13 @@ def test_clear_errors_for_wrong_types_and_values(tiny_model, smollm_tokenizer):
          lambda: engine.generate(["a"], 0.5, use_tqdm=False)),
         (TypeError, "params must be a SamplingParams, got int",
          lambda: engine.generate(["a", "b"], [greedy(2), 5], use_tqdm=False)),
+    ]
+    llm = LLM.__new__(LLM)  # the offline front door, over the same engine
+    llm.engine = engine
+    cases += [
+        (TypeError, r"chat takes a conversation .* got int", lambda: llm.chat(5)),
+        (TypeError, r"chat takes a conversation .* got str", lambda: llm.chat("hi")),
+        (TypeError, r"chat takes a conversation .* got list", lambda: llm.chat([5])),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message):

@@ -169,15 +169,17 @@ def shard_linear(layer: nn.Module, split: str, rank: int, size: int) -> None:
     # TASK 8.1: shard_linear — Sharding a linear layer
     if split == "row" and "bias" in layer:
         raise ValueError("a row-sharded layer's bias would be added once per rank")
-    for name, value in layer.parameters().items():
-        axis = -1 if (split == "row" or name == "bias") else -2
-        width = value.shape[axis]
-        if width % size:
+    params = layer.parameters()
+    axes = {name: -1 if (split == "row" or name == "bias") else -2 for name in params}
+    for name, value in params.items():  # every check before any slice: all or nothing
+        if value.shape[axes[name]] % size:
             what = "its groups of quantized weights" if name in ("scales", "biases") else name
-            raise ValueError(f"cannot split {what} ({width} along axis {axis}) {size} ways")
-        step = width // size
+            raise ValueError(f"cannot split {what} ({value.shape[axes[name]]} along axis "
+                             f"{axes[name]}) {size} ways")
+    for name, value in params.items():
+        step = value.shape[axes[name]] // size
         index = [slice(None)] * value.ndim
-        index[axis] = slice(rank * step, (rank + 1) * step)
+        index[axes[name]] = slice(rank * step, (rank + 1) * step)
         layer[name] = mx.contiguous(value[tuple(index)])
     # END TASK
 # ANCHOR_END: shard_linear

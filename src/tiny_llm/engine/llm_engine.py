@@ -449,6 +449,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template
         and the ``tools`` offered (``tool_calls.parse`` reads the calls out of a text)."""
+        if not isinstance(messages, list | tuple) or not all(
+                isinstance(m, dict | list | tuple) for m in messages):
+            raise TypeError("chat takes a conversation (a list of messages, each a dict with a "
+                            "role and content) or a list of conversations, got "
+                            f"{type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [c if tools is None else {"prompt_token_ids": self.engine.tokenize(c, tools)}
                    for c in conversations]
