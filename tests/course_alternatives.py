@@ -440,46 +440,21 @@ BODIES: dict[str, list[str]] = {
     ],
     "5.2": [
         """
-        num_tiles, height = walk.rows.shape
-        n_heads, D = q.shape[1], q.shape[2]
-        page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
-        g = n_heads // n_kv_heads
-        pairs = height * g  # (row, head) pairs of a tile per KV head; pair = row * g + head
-        scaled = q.astype(mx.float32) * scale
-        tq = mx.take(scaled, walk.rows.reshape(-1), axis=0)
-        tq = tq.reshape(num_tiles, height, n_kv_heads, g, D)
-        tq = mx.moveaxis(tq, 2, 1).reshape(num_tiles, n_kv_heads, pairs, D)
-        pair_last = mx.broadcast_to(walk.last_pos[:, :, None], (num_tiles, height, g))
-        pair_last = pair_last.reshape(num_tiles, 1, pairs, 1)
-        tile_last = mx.max(walk.last_pos, axis=1).reshape(num_tiles, 1, 1, 1)
-        hidden = -1e30  # finite: every pair sees key 0 on the first page
-        best = mx.full((num_tiles, n_kv_heads, pairs, 1), hidden)
-        total = mx.zeros_like(best)
-        numer = mx.zeros((num_tiles, n_kv_heads, pairs, D))
-        within = mx.arange(page_size)
-        for col in range(walk.num_columns):
-            ids = walk.tables[:, col]
-            ids = mx.where(ids >= 0, ids, 0)  # -1: past the sequence, masked below
-            pos = col * page_size + within
-            keys = mx.swapaxes(k_pages[ids].astype(mx.float32), 1, 2)  # [N, Hkv, S, D]
-            vals = mx.swapaxes(v_pages[ids].astype(mx.float32), 1, 2)
-            # V past the tile's last key may hold garbage (NaN): 0 * NaN would leak.
-            vals = mx.where(pos.reshape(1, 1, page_size, 1) <= tile_last, vals, 0.0)
-            pair_sees = pos.reshape(1, 1, 1, page_size) <= pair_last  # [N, 1, P, S]
-            s = mx.where(pair_sees, tq @ mx.swapaxes(keys, -1, -2), hidden)
-            new_best = mx.maximum(best, mx.max(s, axis=-1, keepdims=True))
-            w = mx.where(pair_sees, mx.exp(s - new_best), 0.0)
-            shrink = mx.exp(best - new_best)
-            total = shrink * total + mx.sum(w, axis=-1, keepdims=True)
-            numer = shrink * numer + w @ vals
-            best = new_best
-        res = (numer / total).reshape(num_tiles, n_kv_heads, height, g, D)
-        res = mx.moveaxis(res, 1, 2).reshape(num_tiles * height, n_heads, D)
-        # Every flat row is exactly one valid tile row: gather each row from its tile row.
-        keep = np.flatnonzero(np.array(walk.valid).reshape(-1))
-        source = np.zeros(walk.num_rows, dtype=np.int64)
-        source[np.array(walk.rows).reshape(-1)[keep]] = keep
-        return res[mx.array(source)].astype(q.dtype)
+        ids = walk.tables[:, j]
+        ids = mx.where(ids >= 0, ids, 0)  # -1: past the sequence, masked below
+        pos = j * page_size + slot_pos
+        keys = mx.swapaxes(k_pages[ids].astype(mx.float32), 1, 2)  # [N, Hkv, S, D]
+        vals = mx.swapaxes(v_pages[ids].astype(mx.float32), 1, 2)
+        # V past the tile's last key may hold garbage (NaN): 0 * NaN would leak.
+        vals = mx.where(pos.reshape(1, 1, -1, 1) <= tile_limit.reshape(-1, 1, 1, 1), vals, 0.0)
+        pair_sees = pos.reshape(1, 1, 1, -1) <= limit  # [N, 1, R*G, S]
+        s = mx.where(pair_sees, qt @ mx.swapaxes(keys, -1, -2), -mx.inf)
+        best = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+        w = mx.exp(s - best)
+        shrink = mx.exp(m - best)
+        denom = shrink * denom + mx.sum(w, axis=-1, keepdims=True)
+        acc = shrink * acc + w @ vals
+        m = best
         """,
     ],
     "5.3": [

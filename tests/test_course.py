@@ -445,7 +445,7 @@ MUTANTS = {
     "4.1": (D4, "<= walk.last_pos  # [T,1,1,S]", "< walk.last_pos  # [T,1,1,S]"),
     "5.1": (D5, "QueryTile(b, first, min(tile_rows, hi - first))",
             "QueryTile(b, first, tile_rows)"),
-    "5.2": (D5, "walk.last_pos.max(axis=1)", "walk.last_pos.min(axis=1)"),
+    "5.2": (D5, "key_pos[None, None, None, :] <= limit", "key_pos[None, None, None, :] < limit"),
     "6.1": (SPEC, "rng.random() < min(1.0, p / q)", "rng.random() < p"),
     "6.2": (SPEC, "block_size > num_tokens:", "block_size > num_tokens + 1:"),
     "6.3": (SPEC, "range(len(tokens) - n - 1, -1, -1)", "range(len(tokens) - n)"),

@@ -115,7 +115,6 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
               scale: float) -> mx.array:
     """Every tile reads page column j of its sequence once per iteration: the scores of
     its (row, head) pairs against the page are one matrix product per KV head."""
-    # TASK 5.2: tile_walk — The tiled walk in MLX ops
     _, n_heads, D = q.shape
     _, page_size, n_kv_heads, _ = k_pages.shape
     group = n_heads // n_kv_heads
@@ -125,11 +124,13 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
     qt = qt.transpose(0, 2, 1, 3, 4).reshape(N, n_kv_heads, R * group, D)
     limit = mx.repeat(walk.last_pos, group, axis=1)[:, None, :, None]  # [N, 1, R*G, 1]
     tile_limit = walk.last_pos.max(axis=1)[:, None]  # [N, 1]: the tile's last key
+    # Each pair's online-softmax state: running max, sum, and output.
     m = mx.full((N, n_kv_heads, R * group, 1), -mx.inf)
     denom = mx.zeros((N, n_kv_heads, R * group, 1))
     acc = mx.zeros((N, n_kv_heads, R * group, D))
     slot_pos = mx.arange(page_size)
     for j in range(walk.num_columns):
+        # TASK 5.2: tile_walk — The tiled walk in MLX ops
         pages = mx.maximum(walk.tables[:, j], 0)  # -1 (past the sequence) is masked below
         k = k_pages[pages].astype(mx.float32).transpose(0, 2, 3, 1)  # [N, Hkv, D, S]
         v = v_pages[pages].astype(mx.float32).transpose(0, 2, 1, 3)  # [N, Hkv, S, D]
@@ -145,6 +146,8 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
         denom = denom * correction + p.sum(axis=-1, keepdims=True)
         acc = acc * correction + p @ v
         m = new_m
+        # END TASK
+    # Each tile row back to its flat row; the padding rows of short tiles are dropped.
     out = (acc / denom).reshape(N, n_kv_heads, R, group, D).transpose(0, 2, 1, 3, 4)
     out = out.reshape(N * R, n_heads, D)
     valid = np.array(walk.valid).reshape(-1)
@@ -152,7 +155,6 @@ def tile_walk(q: mx.array, k_pages: mx.array, v_pages: mx.array, walk: TileWalk,
     result = mx.zeros((walk.num_rows, n_heads, D), dtype=mx.float32)
     result[mx.array(rows)] = out[mx.array(np.flatnonzero(valid))]
     return result.astype(q.dtype)
-    # END TASK
 
 
 def paged_flash_reference(q: mx.array, k_pages: mx.array, v_pages: mx.array,
