@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ahead import Ahead, selected_params
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = sorted((ROOT / "benches").glob("bench_*.py"))
@@ -55,8 +56,16 @@ def test_there_are_benchmarks():
     assert BENCHES, "no benches/bench_*.py found"
 
 
-@pytest.mark.parametrize("script", BENCHES, ids=[p.stem for p in BENCHES])
-def test_bench_imports_and_parses_its_options(script: Path):
+NOT_RUN_WHOLE = [p for p in BENCHES if p.stem not in (*QUICK_RUNS, "bench_vs_llama_cpp")]
+
+
+def test_every_script_takes_the_common_options():
+    missing = [p.name for p in BENCHES if "bench_parser(" not in p.read_text()]
+    assert not missing, f"{missing} do not build their options with common.bench_parser"
+
+
+@pytest.mark.parametrize("script", NOT_RUN_WHOLE, ids=[p.stem for p in NOT_RUN_WHOLE])
+def test_a_script_not_run_here_imports_and_parses_its_options(script: Path):
     proc = subprocess.run(
         [sys.executable, str(script), "--help"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ),
@@ -69,22 +78,39 @@ def test_bench_imports_and_parses_its_options(script: Path):
     assert not missing, f"{script.name} lacks the common options {missing} (use bench_parser)"
 
 
+@pytest.fixture(scope="module")
+def quick(request, tmp_path_factory):
+    """The selected scripts' quick runs, started together, each into its own folder; with the
+    modification time of the book's copy of its quick result before it ran."""
+    ahead = Ahead()
+    names = [p["name"] for p in selected_params(request, test_the_benchmark_runs_quick)]
+    if selected_params(request, test_without_llama_bench_its_columns_are_skipped_with_the_reason):
+        names.append("bench_vs_llama_cpp")
+    for name in names:
+        book_copy = ROOT / "benchmark_results" / f"{name}_quick.json"
+        before = book_copy.stat().st_mtime_ns if book_copy.exists() else None
+        folder = tmp_path_factory.mktemp(name)
+        ahead.start(name, lambda n=name, f=folder, b=before: (f, b, run_quick(n, f)))
+    yield ahead
+    ahead.close()
+
+
 @pytest.mark.device_independent  # the script chooses its configurations by the device itself
 @pytest.mark.parametrize("name", QUICK_RUNS)
-def test_the_benchmark_runs_quick_and_writes_its_result(name: str, tmp_path: Path):
-    book_copy = ROOT / "benchmark_results" / f"{name}_quick.json"
-    before = book_copy.stat().st_mtime_ns if book_copy.exists() else None
-    result = check_result(name, tmp_path, run_quick(name, tmp_path))
+def test_the_benchmark_runs_quick(name: str, quick: Ahead):
+    folder, before, proc = quick.result(name)
+    result = check_result(name, folder, proc)
     assert result["environment"]["learner"] is None  # the reference's code
+    book_copy = ROOT / "benchmark_results" / f"{name}_quick.json"
     after = book_copy.stat().st_mtime_ns if book_copy.exists() else None
     assert before == after, "--results-dir was not where the script wrote"
 
 
 @pytest.mark.device_independent
-def test_without_llama_bench_its_columns_are_skipped_with_the_reason(tmp_path: Path):
-    proc = run_quick("bench_vs_llama_cpp", tmp_path)
+def test_without_llama_bench_its_columns_are_skipped_with_the_reason(quick: Ahead):
+    folder, _, proc = quick.result("bench_vs_llama_cpp")
     assert "llama.cpp is not measured: no --llama-bench PATH was given" in proc.stdout
-    (table,) = check_result("bench_vs_llama_cpp", tmp_path, proc)["tables"]
+    (table,) = check_result("bench_vs_llama_cpp", folder, proc)["tables"]
     assert all(row[0].startswith("engine") and row[-2:] == [None, None] for row in table["rows"])
 
 

@@ -25,12 +25,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 from tiny_llm import course, learner
 
 import pytest
+from ahead import Ahead, selected_params
 
 TASKS = course.tasks()
 PYTHON_TASKS = [t for t in TASKS.values() if t.kind == "python"]
@@ -214,20 +216,46 @@ def test_a_task_new_to_a_started_module_is_stubbed_in_place(tmp_path, monkeypatc
 # Stubbing one task alone fails its tests
 
 
-def failing_run(task: course.Task, ws: Path, env: dict[str, str] | None = None) -> str:
-    run = course.run_task_tests(task, ws, extra=["-x"], env=env)
+# The runs of a task's tests on a workspace are child processes: each module fixture below
+# starts the runs its selected tests need, together (tests/ahead.py), and each test reads its
+# own. A run's workspace is written in the run's thread, so that a mistake there fails the
+# test that reads it.
+
+
+def failing(task: course.Task, run: subprocess.CompletedProcess) -> str:
     output = run.stdout + run.stderr
     assert run.returncode == 1, f"task {task.id} stubbed, its tests still pass:\n{output[-3000:]}"
     return output
 
 
-@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
-def test_stubbing_a_python_task_alone_fails_its_tests(task, tmp_path):
+def stubbed_alone_run(task: course.Task, ws: Path) -> subprocess.CompletedProcess:
     for path in {r.path for r in task.regions}:
-        target = tmp_path / path
+        target = ws / path
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(course.stubbed((course.SRC.parent / path).read_text(), path, {task.id}))
-    assert task.message in failing_run(task, tmp_path)
+    return course.run_task_tests(task, ws, extra=["-x"])
+
+
+@pytest.fixture(scope="module")
+def python_runs(request, tmp_path_factory):
+    """The Python tasks' runs of the tests below that are selected, started together."""
+    ahead = Ahead()
+    for p in selected_params(request, test_stubbing_a_python_task_alone_fails_its_tests):
+        ahead.start(("stubbed", p["task"].id), stubbed_alone_run, p["task"],
+                    tmp_path_factory.mktemp("stubbed"))
+    for p in selected_params(request, test_a_python_task_passes_with_the_tasks_after_it_stubbed):
+        ahead.start(("in order", p["task"].id), in_order_run, p["task"],
+                    tmp_path_factory.mktemp("in_order"), {})
+    for p in selected_params(request, test_a_learners_mistake_fails_the_tasks_tests):
+        ahead.start(("mistake", p["task_id"], p["right"]), mistake_run, TASKS[p["task_id"]],
+                    p["file"], p["right"], p["wrong"], tmp_path_factory.mktemp("mistake"))
+    yield ahead
+    ahead.close()
+
+
+@pytest.mark.parametrize("task", PYTHON_TASKS, ids=lambda t: t.id)
+def test_stubbing_a_python_task_alone_fails_its_tests(task, python_runs):
+    assert task.message in failing(task, python_runs.result(("stubbed", task.id)))
 
 
 def switch_on(variable: str, task_id: str) -> str:
@@ -267,11 +295,40 @@ def switchable_extension(tmp_path_factory) -> Path:
     return ws
 
 
+def over_the_build_of(built: Path, ws: Path) -> Path:
+    """A workspace of its own (its Python modules) over ``built``'s extension and build."""
+    for name in ("extensions", "build"):
+        (ws / name).symlink_to(built / name, target_is_directory=True)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def kernel_runs(request, switchable_extension, tmp_path_factory):
+    """The runs on the switchable build of the tests below that are selected, started
+    together once it is built."""
+    ahead = Ahead()
+    sw = switchable_extension
+    for p in selected_params(request, test_stubbing_a_cpp_task_alone_fails_its_tests):
+        ahead.start(("stubbed", p["task"].id), course.run_task_tests, p["task"], sw, ["-x"],
+                    {"TINY_LLM_STUB_TASK": p["task"].id})
+    in_order = test_a_kernel_days_task_passes_with_the_tasks_after_it_stubbed
+    for p in selected_params(request, in_order):
+        task = p["task"]
+        ahead.start(("in order", task.id), in_order_run, task,
+                    over_the_build_of(sw, tmp_path_factory.mktemp("in_order")),
+                    {"TINY_LLM_STUB_TASK": ",".join(sorted(later_tasks(task)))})
+    for p in selected_params(request, test_a_learners_kernel_mistake_fails_the_tasks_tests):
+        if p["task"] in CPP_TASKS:
+            ahead.start(("mistake", p["task"].id), course.run_task_tests, p["task"], sw, ["-x"],
+                        {"TINY_LLM_MUTANT": p["task"].id})
+    yield ahead
+    ahead.close()
+
+
 @needs_linux_compiler
 @pytest.mark.parametrize("task", CPP_TASKS, ids=lambda t: t.id)
-def test_stubbing_a_cpp_task_alone_fails_its_tests(task, switchable_extension):
-    output = failing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": task.id})
-    assert task.message in output
+def test_stubbing_a_cpp_task_alone_fails_its_tests(task, kernel_runs):
+    assert task.message in failing(task, kernel_runs.result(("stubbed", task.id)))
 
 
 @needs_linux_compiler
@@ -353,8 +410,12 @@ def write_python_stubs(ws: Path, day: int, ids: set[str]) -> None:
         target.write_text(course.stubbed((course.SRC.parent / path).read_text(), path, ids))
 
 
-def passing_run(task: course.Task, ws: Path, env: dict[str, str]) -> None:
-    run = course.run_task_tests(task, ws, env=env)
+def in_order_run(task: course.Task, ws: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    write_python_stubs(ws, task.day, later_tasks(task))
+    return course.run_task_tests(task, ws, env=env)
+
+
+def passing(task: course.Task, run: subprocess.CompletedProcess) -> None:
     later = ", ".join(sorted(later_tasks(task))) or "none"
     assert course.outcome(run) == "pass", (
         f"task {task.id} done, the tasks after it ({later}) stubbed: its tests do not pass\n"
@@ -367,21 +428,15 @@ def day_has_cpp_tasks(day: int) -> bool:
 
 @pytest.mark.parametrize("task", [t for t in PYTHON_TASKS if not day_has_cpp_tasks(t.day)],
                          ids=lambda t: t.id)
-def test_a_python_task_passes_with_the_tasks_after_it_stubbed(task, tmp_path):
-    write_python_stubs(tmp_path, task.day, later_tasks(task))
-    passing_run(task, tmp_path, {})
+def test_a_python_task_passes_with_the_tasks_after_it_stubbed(task, python_runs):
+    passing(task, python_runs.result(("in order", task.id)))
 
 
 @needs_linux_compiler
 @pytest.mark.parametrize("task", [t for t in [*PYTHON_TASKS, *CPP_TASKS]
                                   if day_has_cpp_tasks(t.day)], ids=lambda t: t.id)
-def test_a_kernel_days_task_passes_with_the_tasks_after_it_stubbed(task, switchable_extension):
-    later = later_tasks(task)
-    write_python_stubs(switchable_extension, task.day, later)
-    try:
-        passing_run(task, switchable_extension, {"TINY_LLM_STUB_TASK": ",".join(sorted(later))})
-    finally:
-        shutil.rmtree(switchable_extension / "tiny_llm", ignore_errors=True)
+def test_a_kernel_days_task_passes_with_the_tasks_after_it_stubbed(task, kernel_runs):
+    passing(task, kernel_runs.result(("in order", task.id)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -518,34 +573,38 @@ def planted(task: course.Task, file: str, right: str, wrong: str) -> str:
     return reference.replace(right, wrong)
 
 
-def mistake_fails(task: course.Task, wrong: str, ws: Path, env: dict[str, str] | None = None):
-    run = course.run_task_tests(task, ws, extra=["-x"], env=env)
+def caught(task: course.Task, wrong: str, run: subprocess.CompletedProcess) -> None:
     assert run.returncode == 1, (f"task {task.id}: a learner's mistake ({wrong.strip()!r}) "
                                  f"passes its tests\n{(run.stdout + run.stderr)[-2000:]}")
 
 
-@pytest.mark.parametrize("task_id,file,right,wrong", ALL_MUTANTS,
-                         ids=[f"{m[0]}-{n}" for n, m in enumerate(ALL_MUTANTS)])
-def test_a_learners_mistake_fails_the_tasks_tests(task_id, file, right, wrong, tmp_path):
-    task = TASKS[task_id]
-    target = tmp_path / file
+def mistake_run(task: course.Task, file: str, right: str, wrong: str,
+                ws: Path) -> subprocess.CompletedProcess:
+    target = ws / file
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(planted(task, file, right, wrong))
-    mistake_fails(task, wrong, tmp_path)
+    return course.run_task_tests(task, ws, extra=["-x"])
+
+
+@pytest.mark.parametrize("task_id,file,right,wrong", ALL_MUTANTS,
+                         ids=[f"{m[0]}-{n}" for n, m in enumerate(ALL_MUTANTS)])
+def test_a_learners_mistake_fails_the_tasks_tests(task_id, file, right, wrong, python_runs):
+    caught(TASKS[task_id], wrong, python_runs.result(("mistake", task_id, right)))
 
 
 @needs_linux_compiler
 @pytest.mark.parametrize("task", [*CPP_TASKS, *METAL_TASKS], ids=lambda t: t.id)
-def test_a_learners_kernel_mistake_fails_the_tasks_tests(task, switchable_extension):
+def test_a_learners_kernel_mistake_fails_the_tasks_tests(task, switchable_extension, kernel_runs):
     file, right, wrong = KERNEL_MUTANTS[task.id]
     text = planted(task, file, right, wrong)
     if task in CPP_TASKS:
-        mistake_fails(task, wrong, switchable_extension, {"TINY_LLM_MUTANT": task.id})
+        caught(task, wrong, kernel_runs.result(("mistake", task.id)))
         return
+    kernel_runs.join()  # nothing else may run on the build while the kernel changes
     kernel = switchable_extension / file
     reference = kernel.read_text()
     kernel.write_text(text)  # newer than the build: the task's tests rebuild the extension
     try:
-        mistake_fails(task, wrong, switchable_extension)
+        caught(task, wrong, course.run_task_tests(task, switchable_extension, extra=["-x"]))
     finally:
         kernel.write_text(reference)
