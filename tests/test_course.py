@@ -104,14 +104,16 @@ def test_start_writes_stubs_and_never_overwrites_work(tmp_path, monkeypatch):
     assert learner.learner_file("day1_batching") is None  # not started: the reference
 
 
-def test_course_test_runs_a_started_days_tasks_with_the_switch_unset(tmp_path, monkeypatch):
+def test_course_test_runs_a_started_days_tasks_with_the_switch_unset(tmp_path, monkeypatch,
+                                                                    capsys):
     """``tiny-llm course test 3.1`` as the book shows it: no TINY_LLM_LEARNER in the
     environment, the workspace the repository's ``workspace/``."""
     from tiny_llm import cli
 
     monkeypatch.setenv(learner.ENV, "0")  # restored (unset) after the test
     monkeypatch.setattr(learner, "REPO_DIR", tmp_path)
-    course.start(3)
+    assert cli.main(["course", "start", "3"]) == 0
+    assert "open book/book/week3-day3.html" in capsys.readouterr().out  # the built book
     monkeypatch.delenv(learner.ENV)
     commands: list[list[str]] = []
     monkeypatch.setattr(cli.subprocess, "call", lambda cmd, cwd: commands.append(cmd) or 0)
@@ -119,6 +121,23 @@ def test_course_test_runs_a_started_days_tasks_with_the_switch_unset(tmp_path, m
     assert commands[0][-5:] == ["--learner", "--task", "3.1", "-k", "pages"]
     assert cli.main(["course", "test", "1.1"]) == 2  # Day 1 not started: refused
     assert cli.main(["course", "test", "3.9"]) == 2 and len(commands) == 1
+
+
+def test_the_learners_build_shows_each_file_it_compiles():
+    step = learner._build_step
+    assert step("[ 40%] Building CXX object CMakeFiles/_ext_learner.dir/cpu_attention.cpp.o") \
+        == "[ 40%] compiling cpu_attention.cpp"
+    assert step("[100%] Linking CXX shared module _ext_learner.cpython-311.so") == "[100%] linking"
+    assert step("-- Configuring done") is None
+
+
+def test_a_days_file_without_a_tasks_tests_says_where_they_are():
+    run = subprocess.run([sys.executable, "-m", "pytest", "tests/test_week3_day5.py", "-k",
+                          "task_4", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                         cwd=course.TESTS.parent)
+    assert run.returncode == 5  # no test ran, and the reason is said
+    assert ("Task 5.4's tests are in tests/test_week3_day5.py and tests/test_metal_kernels.py: "
+            "`tiny-llm course test 5.4` runs them all") in run.stdout
 
 
 @needs_linux_compiler
@@ -187,7 +206,7 @@ def test_reset_gives_a_tasks_stub_back_and_saves_the_file(tmp_path, monkeypatch,
     (line,) = capsys.readouterr().out.splitlines()
     text = target.read_text()
     assert TASKS["4.2"].message in text and EDITS["4.2"] not in text
-    assert "/* my row copies */" in (tmp_path / "extensions" / "ops.cpp").read_text()
+    assert "/* my row copies */" in (tmp_path / "extensions" / "paged_ops.cpp").read_text()
     (backup,) = (tmp_path / "backups").rglob("cpu_attention.cpp")
     assert EDITS["4.2"] in backup.read_text() and str(backup) in line
     with pytest.raises(ValueError, match="Day 5 is not started"):
@@ -266,8 +285,8 @@ def switch_on(variable: str, task_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def switchable_extension(tmp_path_factory) -> Path:
-    """A workspace whose extension can stub any C++ task, or plant its mistake, at run time,
-    built once."""
+    """A workspace whose extension can stub any C++ task, plant its mistake, or crash in it
+    (``TINY_LLM_CRASH_TASK``), at run time, built once."""
     ws = tmp_path_factory.mktemp("switchable")
     shutil.copytree(course.EXTENSIONS, ws / "extensions",
                     ignore=shutil.ignore_patterns("blas_shim"))
@@ -289,10 +308,27 @@ def switchable_extension(tmp_path_factory) -> Path:
         for region, task_id, _, _ in reversed(course.regions_in(text, path)):
             guard = (f'{region.indent}if ({switch_on("TINY_LLM_STUB_TASK", task_id)}) '
                      f'throw std::runtime_error("{TASKS[task_id].message}");')
-            lines.insert(region.start + 1, guard)
+            crash = f'{region.indent}if ({switch_on("TINY_LLM_CRASH_TASK", task_id)}) std::abort();'
+            lines[region.start + 1 : region.start + 1] = [guard, crash]
         (ws / path).write_text(switch + "\n".join(lines) + "\n")
     learner.build_learner_extension(ws)  # once, for every C++ task
     return ws
+
+
+@needs_linux_compiler
+def test_a_crash_in_a_learners_kernel_names_the_test_and_its_task(switchable_extension):
+    """Native code that kills the process (here an abort in Task 4.3's region) ends the runs
+    a learner starts, `course test` and pytest itself, with the test and the task named."""
+    env = {"TINY_LLM_CRASH_TASK": "4.3"}
+    run = course.run_task_tests(TASKS["4.3"], switchable_extension, env=env)
+    named = re.compile(r"tiny_llm: the test process died \(SIGABRT\) in or after "
+                       r"tests/test_week3_day4.py::test_\S+ \(Task 4.3: PagedKVWrite")
+    assert run.returncode < 0 and named.search(run.stderr), run.stderr[-2000:]
+    direct = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_week3_day4.py", "-k", "kv_write",
+         "--learner-workspace", str(switchable_extension), "-p", "no:cacheprovider"],
+        capture_output=True, text=True, cwd=course.TESTS.parent, env={**os.environ, **env})
+    assert direct.returncode == 1 and named.search(direct.stderr), direct.stderr[-2000:]
 
 
 def over_the_build_of(built: Path, ws: Path) -> Path:
@@ -520,7 +556,7 @@ MUTANTS = {
 # One per kernel task. A C++ mistake is an expression for an expression (the switchable
 # build switches it on at run time); a Metal one is written into the kernel file, and the
 # extension, which embeds that file, is rebuilt around it.
-CPU_ATTENTION, OPS = "extensions/cpu_attention.cpp", "extensions/ops.cpp"
+CPU_ATTENTION, OPS = "extensions/cpu_attention.cpp", "extensions/paged_ops.cpp"
 METAL = "extensions/metal/paged_attention.metal"
 KERNEL_MUTANTS = {
     "4.2": (CPU_ATTENTION, "acc[d] *= correction", "acc[d] *= 1.0f"),  # l rescaled, acc not

@@ -296,7 +296,7 @@ def test_kv_write_is_in_place_when_the_caller_drops_the_old_pool():
                                 0.25, length - new)
         np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-5)
     assert ext.pool_copies() == copies, (
-        f"BUG ops.cpp paged_kv_write: {ext.pool_copies() - copies} pool copies in "
+        f"BUG paged_ops.cpp paged_kv_write: {ext.pool_copies() - copies} pool copies in "
         "3 writes whose old pools nobody referenced. PagedKVWrite has two outputs made by "
         "array::make_arrays, which gives each output its own copy of the inputs vector, so "
         "at eval each input pool's array_desc_ use_count is 2 and is_donatable() is never "
@@ -346,7 +346,7 @@ def test_kv_write_into_a_non_contiguous_pool(keep_old):
     want = base.copy().reshape(-1, H, D)
     want[[3, 17]] = rows
     assert np.array_equal(np.array(k), want.reshape(base.shape)), (
-        "BUG ops.cpp PagedKVWrite::eval_cpu: the pool is assumed row-contiguous "
+        "BUG paged_ops.cpp PagedKVWrite::eval_cpu: the pool is assumed row-contiguous "
         "(copy_shared_buffer / memcpy of nbytes, rows at slot * row_bytes); a strided pool "
         "is written at the wrong places. paged_kv_write should pass the pools through "
         "mx::contiguous (or copy when !flags().row_contiguous)"
@@ -481,7 +481,7 @@ def test_bad_kv_write_is_rejected_before_dispatch(name):
     mx.eval(k, v)
     raise AssertionError(
         f"paged_kv_write accepted {name!r}"
-        + (" — BUG ops.cpp paged_kv_write checks k_new/k_pages and v_new/v_pages "
+        + (" — BUG paged_ops.cpp paged_kv_write checks k_new/k_pages and v_new/v_pages "
            "dtypes separately but never k_pages vs v_pages; eval_cpu then copies rows of "
            "k's row_bytes into v (wrong slots; a heap overflow when v's rows are smaller). "
            "Nor does the Python wrapper check it"
@@ -534,7 +534,7 @@ def test_cpp_op_rejects_q_that_does_not_fit_the_pages():
                          timeout=60)
     assert run.returncode == 0, f"the op crashed: {run.returncode} {run.stderr[-2000:]}"
     assert "accepted" not in run.stdout, (
-        "BUG ops.cpp paged_attention(): checks only ranks and dtypes, not that "
+        "BUG paged_ops.cpp paged_attention(): checks only ranks and dtypes, not that "
         "q.shape(2) == k_pages.shape(3) and q.shape(1) % k_pages.shape(2) == 0, so the CPU "
         f"kernel reads out of bounds: {run.stdout.strip()}"
     )

@@ -1,4 +1,6 @@
-// Python bindings of the paged ops (module tiny_llm._native._ext).
+// Python bindings of the ops (module tiny_llm._native._ext), by family: the paged ops always;
+// the model's CPU kernels (matmuls, layers, the fused decoder) except in the course's build
+// of a learner's copy, which the engine uses for the paged ops only (tiny_llm/extension.py).
 #include <cstring>
 #include <stdexcept>
 
@@ -10,12 +12,16 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_attention.h"
-#include "cpu_linear.h"
-#include "cpu_qlinear.h"
 #include "metal/paged_attention_geometry.h"
 #include "metal_launch.h"
-#include "ops.h"
+#include "paged_ops.h"
 #include "worker_pool.h"
+#ifndef TINY_LLM_COURSE_KERNEL
+#include "cpu_linear.h"
+#include "decoder_ops.h"
+#include "layer_ops.h"
+#include "linear_ops.h"
+#endif
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -26,8 +32,6 @@ using namespace nb::literals;
 #endif
 
 namespace {
-
-constexpr const char* kDecoderRun = "tiny_llm.DecoderRun";
 
 // The launch plan as a dict of plain values and MLX arrays (tests hand it to the emulator).
 nb::dict plan_dict(const tiny_llm::MetalLaunchPlan& plan) {
@@ -58,13 +62,7 @@ nb::dict plan_dict(const tiny_llm::MetalLaunchPlan& plan) {
   return d;
 }
 
-}  // namespace
-
-#define TINY_LLM_STRINGIFY2(x) #x
-#define TINY_LLM_STRINGIFY(x) TINY_LLM_STRINGIFY2(x)
-
-NB_MODULE(TINY_LLM_EXT_NAME, m) {
-  m.doc() = "tiny_llm paged attention kernels (CPU C++ and Metal)";
+void bind_paged_ops(nb::module_& m) {
   m.def("paged_attention", &tiny_llm::paged_attention, "q"_a, "k_pages"_a, "v_pages"_a,
         "block_table"_a, "context_lens"_a, "query_start_loc"_a, "scale"_a, nb::kw_only(),
         "tiled"_a = true, "gpu_rehearsal"_a = false, "stream"_a = nb::none(),
@@ -76,6 +74,45 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
         "stream"_a = nb::none(),
         "Write new K/V rows into their slots; in place when the pools are donatable. "
         "gpu_rehearsal: on a CPU stream, write with MLX's scatter as a GPU stream does.");
+  m.def(
+      "donatable", [](const mx::array& a) { return a.is_donatable(); }, "a"_a,
+      "Whether nothing but this array holds its buffer (MLX's is_donatable): no other array, "
+      "view or graph node; an op may then write it in place.");
+  m.def(
+      "new_handle", [](const mx::array& a) { return a; }, "a"_a,
+      "The same array (its node and buffer, no copy) under a new Python object. Put in "
+      "place of the old object in a list, it leaves every other holder of the old object "
+      "with a handle of its own, which is_donatable then counts.");
+  m.def("pool_copies", &tiny_llm::pool_copies,
+        "How many times paged_kv_write copied a pool that was not donatable.");
+  m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,
+        "Threads the CPU kernels may use (0: all hardware threads).");
+  m.def("check_metal_geometry", &tiny_llm::check_metal_geometry, "n_heads"_a, "n_kv_heads"_a,
+        "head_dim"_a, "page_size"_a, "dtype"_a,
+        "Raise ValueError unless the Metal kernels can serve this attention geometry.");
+  m.def(
+      "metal_launch_plan",
+      [](const mx::array& q, const mx::array& k_pages, const mx::array& v_pages,
+         const mx::array& block_table, const mx::array& context_lens,
+         const mx::array& query_start_loc, float scale, bool tiled,
+         mx::StreamOrDevice s) {
+        return plan_dict(tiny_llm::plan_paged_attention(q, k_pages, v_pages, block_table,
+                                                        context_lens, query_start_loc, scale,
+                                                        tiled, mx::to_stream(s)));
+      },
+      "q"_a, "k_pages"_a, "v_pages"_a, "block_table"_a, "context_lens"_a,
+      "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true, "stream"_a = nb::none(),
+      "The Metal launch (arguments of mx.fast.metal_kernel and of its kernel call) that a GPU "
+      "stream would run, computed on any device.");
+  m.attr("cpu_query_tile") = tiny_llm::kCpuQueryTile;
+  m.def("metal_tile_rows", &paged_geometry::tile_rows, "group"_a,
+        "Query rows per tile of the Metal tiled schedule for a GQA group of `group` heads.");
+}
+
+#ifndef TINY_LLM_COURSE_KERNEL
+constexpr const char* kDecoderRun = "tiny_llm.DecoderRun";
+
+void bind_model_kernels(nb::module_& m) {
   m.def(
       "linear",
       [](const mx::array& x, const mx::array& w, bool blas, mx::StreamOrDevice s) {
@@ -157,38 +194,19 @@ NB_MODULE(TINY_LLM_EXT_NAME, m) {
       "rows written into its pools at slot_mapping, in place; paged attention, o_proj, the "
       "residual, rms_norm, the SwiGLU MLP and its residual; bit for bit those ops one by "
       "one. The pools must be held by nothing else (donatable).");
-  m.def(
-      "donatable", [](const mx::array& a) { return a.is_donatable(); }, "a"_a,
-      "Whether nothing but this array holds its buffer (MLX's is_donatable): no other array, "
-      "view or graph node; an op may then write it in place.");
-  m.def(
-      "new_handle", [](const mx::array& a) { return a; }, "a"_a,
-      "The same array (its node and buffer, no copy) under a new Python object. Put in "
-      "place of the old object in a list, it leaves every other holder of the old object "
-      "with a handle of its own, which is_donatable then counts.");
-  m.def("pool_copies", &tiny_llm::pool_copies,
-        "How many times paged_kv_write copied a pool that was not donatable.");
-  m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,
-        "Threads the CPU kernels may use (0: all hardware threads).");
-  m.def("check_metal_geometry", &tiny_llm::check_metal_geometry, "n_heads"_a, "n_kv_heads"_a,
-        "head_dim"_a, "page_size"_a, "dtype"_a,
-        "Raise ValueError unless the Metal kernels can serve this attention geometry.");
-  m.def(
-      "metal_launch_plan",
-      [](const mx::array& q, const mx::array& k_pages, const mx::array& v_pages,
-         const mx::array& block_table, const mx::array& context_lens,
-         const mx::array& query_start_loc, float scale, bool tiled,
-         mx::StreamOrDevice s) {
-        return plan_dict(tiny_llm::plan_paged_attention(q, k_pages, v_pages, block_table,
-                                                        context_lens, query_start_loc, scale,
-                                                        tiled, mx::to_stream(s)));
-      },
-      "q"_a, "k_pages"_a, "v_pages"_a, "block_table"_a, "context_lens"_a,
-      "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true, "stream"_a = nb::none(),
-      "The Metal launch (arguments of mx.fast.metal_kernel and of its kernel call) that a GPU "
-      "stream would run, computed on any device.");
-  m.attr("cpu_query_tile") = tiny_llm::kCpuQueryTile;
-  m.def("metal_tile_rows", &paged_geometry::tile_rows, "group"_a,
-        "Query rows per tile of the Metal tiled schedule for a GQA group of `group` heads.");
+}
+#endif
+
+}  // namespace
+
+#define TINY_LLM_STRINGIFY2(x) #x
+#define TINY_LLM_STRINGIFY(x) TINY_LLM_STRINGIFY2(x)
+
+NB_MODULE(TINY_LLM_EXT_NAME, m) {
+  m.doc() = "tiny_llm's ops: paged attention (CPU C++ and Metal) and the model's CPU kernels";
+  bind_paged_ops(m);
+#ifndef TINY_LLM_COURSE_KERNEL
+  bind_model_kernels(m);
+#endif
   m.attr("module_name") = TINY_LLM_STRINGIFY(TINY_LLM_EXT_NAME);
 }

@@ -1,4 +1,4 @@
-// CPU schedules of paged attention (the block-table interface of ops.h).
+// CPU schedules of paged attention (the block-table interface of paged_ops.h).
 //
 // Vector schedule (Day 4): one work item per (query row, KV head) walks its sequence's
 // block table page by page and keeps an online softmax (running max m, running sum l,
