@@ -30,6 +30,13 @@ HAVE_BUILD = sys.platform.startswith("linux")  # the kernel tasks: Linux's build
 LEARNER_FILES = [*(f"tests/{test_file}" for _, _, test_file in course.CHAPTERS.values()
                    if test_file != "test_tensor_parallel.py"),
                  "tests/test_metal_kernels.py", "tests/test_metal_mutations.py"]
+# In three runs side by side: the days, the rest, and the tensor-parallel tasks' tests.
+SUITE_RUNS = {
+    "days": [f for f in LEARNER_FILES if "week3_day" in f],
+    "the rest": [f for f in LEARNER_FILES if "week3_day" not in f],
+    "tensor parallel": ["tests/test_tensor_parallel.py", *(
+        a for t in course.tasks().values() if t.day == 8 for a in ("--task", t.id))],
+}
 DAY_BENCHES = [f"bench_week3_day{day}" for day in range(1, 6)]
 
 # The course machinery decides nothing by device, and the kernel tasks are Linux's to build.
@@ -56,10 +63,8 @@ def runs(request, workspace: Path, tmp_path_factory):
     """The selected tests' runs on the workspace, started together once it is built."""
     ahead = Ahead()
     if selected_params(request, test_the_suite_the_book_points_to_passes_on_a_correct_workspace):
-        tp_tasks = [a for t in course.tasks().values() if t.day == 8 for a in ("--task", t.id)]
-        ahead.start("suite", suite_run, workspace, LEARNER_FILES)
-        ahead.start("tensor parallel", suite_run, workspace,
-                    ["tests/test_tensor_parallel.py", *tp_tasks])
+        for key, files in SUITE_RUNS.items():
+            ahead.start(key, suite_run, workspace, files)
     for params in selected_params(request, test_the_days_benchmark_runs_on_a_learners_code):
         name, folder = params["name"], tmp_path_factory.mktemp(params["name"])
         ahead.start(name, lambda n=name, f=folder: (
@@ -99,7 +104,7 @@ def test_the_bodies_are_not_the_references_lines():
 
 
 def test_the_suite_the_book_points_to_passes_on_a_correct_workspace(runs: Ahead):
-    for key in ("suite", "tensor parallel"):
+    for key in SUITE_RUNS:
         run = runs.result(key)
         output = run.stdout + run.stderr
         assert run.returncode == 0, f"a correct workspace fails:\n{output[-4000:]}"

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import yaml
+from ahead import Ahead, selected_params
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -36,14 +37,31 @@ ON_A_MAC = sys.platform == "darwin"
 
 
 @pytest.fixture(scope="module")
-def clang_build(tmp_path_factory):
+def compiles(request, tmp_path_factory):
+    """The clang build and the macOS compile of the selected tests below, started together."""
+    ahead = Ahead()
+    wanted = {name for name, tests in (
+        ("clang", (test_clang_builds_the_extension_without_warnings,
+                   test_the_clang_build_computes_what_the_gcc_build_computes)),
+        ("macos", (test_every_translation_unit_compiles_for_macos_arm64,)))
+        if any(selected_params(request, t) for t in tests)}
+    if "clang" in wanted and not ON_A_MAC and clang_check.clang() is not None:
+        out = tmp_path_factory.mktemp("clang-build")
+        ahead.start("clang", lambda: (out, clang_check.build(out)))
+    if "macos" in wanted and not ON_A_MAC:
+        ahead.start("macos", clang_check.macos)
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(scope="module")
+def clang_build(compiles):
     if ON_A_MAC:
         pytest.skip("on a Mac make setup builds the extension in use with Apple clang "
                     "(test_the_build_in_use_has_no_warnings reads its log)")
     if clang_check.clang() is None:
         pytest.skip("no clang here: neither clang++ on PATH nor the ziglang wheel")
-    out = tmp_path_factory.mktemp("clang-build")
-    return out, clang_check.build(out)
+    return compiles.result("clang")
 
 
 def test_the_build_in_use_has_no_warnings():
@@ -77,8 +95,8 @@ def test_the_clang_build_computes_what_the_gcc_build_computes(clang_build):
 
 
 @pytest.mark.skipif(ON_A_MAC, reason="on a Mac make setup compiles every file for macOS")
-def test_every_translation_unit_compiles_for_macos_arm64():
-    results = clang_check.macos()
+def test_every_translation_unit_compiles_for_macos_arm64(compiles):
+    results = compiles.result("macos")
     files = {f.removesuffix(" (course build)") for f, _ in results}
     assert files == {str(p) for p in (REPO / "src" / "extensions").glob("*.cpp")}
     assert any(f.endswith("(course build)") for f, _ in results)  # the learner's kernels too
