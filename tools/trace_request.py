@@ -4,8 +4,11 @@ Builds a tiny random Llama-shaped model with the default model's tokenizer (no
 download), serves one warm-up request, then traces a second one through ``LLMEngine``'s
 ``generate`` with ``sys.setprofile`` and counts the Python calls made in ``src/tiny_llm``:
 files, distinct functions, calls (comprehensions and generator expressions are not counted:
-a reader does not follow them as functions). A measure of how much of the core a reader
-follows for one request.
+a reader does not follow them as functions), and *returns*: calls that enter a file the
+trace had entered and left before (control went to another file since), of which *back up*
+the ones whose file is still on the stack (a callee calling back into its caller's file, as
+template-method hooks do). A measure of how much of the core a reader follows for one
+request, and of how often the path turns back.
 
     python tools/trace_request.py            # a table per file
     python tools/trace_request.py --json     # the counts as JSON
@@ -26,8 +29,31 @@ TINY = dict(model_type="llama", vocab_size=49152, hidden_size=64, num_hidden_lay
             max_position_embeddings=512)
 
 
-def trace() -> Counter[tuple[str, str]]:
-    """Calls per (file, function) while one greedy request of 8 tokens is served."""
+class Trace:
+    """Calls per (file, function), and the returns into files, of one traced run."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.returns = 0
+        self.back_up = 0
+        self._entered: set[str] = set()
+        self._stack: list[str] = []  # the file of each traced frame, innermost last
+
+    def call(self, path: str, function: str) -> None:
+        self.calls[(path, function)] += 1
+        caller = self._stack[-1] if self._stack else None
+        if path != caller and path in self._entered:
+            self.returns += 1
+            self.back_up += path in self._stack
+        self._entered.add(path)
+        self._stack.append(path)
+
+    def leave(self) -> None:
+        self._stack.pop()
+
+
+def trace() -> Trace:
+    """What one greedy request of 8 tokens passes through while it is served."""
     import tiny_llm  # noqa: F401 (before mlx.core: it interposes OpenBLAS)
     from tiny_llm.engine import LLMEngine
     from tiny_llm.loader import default_model_path
@@ -44,35 +70,40 @@ def trace() -> Counter[tuple[str, str]]:
     prompt = {"prompt_token_ids": list(range(1, 20))}
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.generate(prompt, params, use_tqdm=False)  # warm: caches and first-call paths
-    calls: Counter[tuple[str, str]] = Counter()
+    traced = Trace()
     root = str(SRC)
 
     def profile(frame, event, arg):  # noqa: ANN001 (sys.setprofile's signature)
         code = frame.f_code
-        if (event == "call" and code.co_filename.startswith(root)
-                and code.co_name not in COMPREHENSIONS):
-            path = Path(code.co_filename).relative_to(SRC.parent)
-            calls[(str(path), code.co_qualname)] += 1
+        if (event not in ("call", "return") or not code.co_filename.startswith(root)
+                or code.co_name in COMPREHENSIONS):
+            return
+        if event == "return":
+            traced.leave()
+        else:
+            traced.call(str(Path(code.co_filename).relative_to(SRC.parent)), code.co_qualname)
 
     sys.setprofile(profile)
     try:
         engine.generate(prompt, params, use_tqdm=False)
     finally:
         sys.setprofile(None)
-    return calls
+    return traced
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the counts as JSON")
     args = ap.parse_args()
-    calls = trace()
+    traced = trace()
+    calls = traced.calls
     files = Counter()
     functions = Counter()
     for (path, _), n in calls.items():
         files[path] += n
         functions[path] += 1
     summary = dict(files=len(files), functions=len(calls), calls=sum(calls.values()),
+                   returns=traced.returns, back_up=traced.back_up,
                    per_file={p: dict(functions=functions[p], calls=files[p]) for p in files})
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -80,7 +111,8 @@ def main() -> None:
     for path in sorted(files):
         print(f"{path:45} {functions[path]:4} functions {files[path]:6} calls")
     print(f"{summary['files']} files, {summary['functions']} functions, "
-          f"{summary['calls']} calls")
+          f"{summary['calls']} calls, {summary['returns']} returns "
+          f"({summary['back_up']} back up the stack)")
 
 
 if __name__ == "__main__":
