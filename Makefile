@@ -62,7 +62,7 @@ chat: setup
 	$(VENV)/bin/tiny-llm chat
 
 # On Linux the suite runs twice: as it is (the CPU), then as a Mac's GPU would decide it,
-# computed on the CPU (--gpu-rehearsal: tiny_llm/device.py; the book's setup chapter).
+# computed on the CPU (--gpu-rehearsal: tiny_llm/kernels/device.py; the book's setup chapter).
 test: setup
 	$(VENV)/bin/ruff check src tests benches tools
 	TINY_LLM_GPU_REHEARSAL=0 $(PY) -m pytest tests

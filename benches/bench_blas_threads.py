@@ -20,7 +20,7 @@ core / one thread.
 A second table asks the same of the engine's prefill products: a 512-row forward's matmuls
 (every linear layer, ``GemmProbe``) by OpenBLAS on one thread, by OpenBLAS on every core,
 and by OpenBLAS on one thread called on blocks of weight rows spread over the extension's
-worker pool (what the engine does, ``tiny_llm/cpu_kernels.py``), each in a fresh process
+worker pool (what the engine does, ``tiny_llm/kernels/cpu_kernels.py``), each in a fresh process
 (``--gemm-worker``), quiet and beside the same neighbour; the median of 5 products.
 
     python benches/bench_blas_threads.py          # about 7 minutes on 2 cores
@@ -97,7 +97,7 @@ GEMM_RUNS = {"OpenBLAS, 1 thread": ("1", False), "OpenBLAS, every core": (None, 
 
 def gemm_worker(split: bool, quick: bool) -> None:
     """Print the GFLOP/s of a GEMM_ROWS-row forward's matmuls (this process's OpenBLAS)."""
-    from tiny_llm.cpu_kernels import split_blas
+    from tiny_llm import split_blas
 
     from bench_cpu_decode import matmul_params
     from common import GemmProbe, load_model

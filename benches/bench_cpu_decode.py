@@ -8,7 +8,7 @@ prefix caching off) serves ``B`` requests of 16 random prompt tokens at once,
 
 - ``MLX ops``: ``cpu_kernels=False``, every matmul by MLX's matmul (OpenBLAS on one
   thread), RoPE by ``mx.fast.rope`` (what the engine did before the CPU kernels);
-- ``kernels``: the default, ``cpu_kernels=True`` (``tiny_llm/cpu_kernels.py``): decode rows
+- ``kernels``: the default, ``cpu_kernels=True`` (``tiny_llm/kernels/cpu_kernels.py``): decode rows
   by the extension's decode matmul on the worker pool, RoPE by its one-op rope;
 - ``as stored``: the kernels on the file's weights as they are stored (``load(dequantize=
   False)``, ``--quantized`` on the command line: 4-bit layers, an 8-bit embedding; with
@@ -53,8 +53,7 @@ import sys
 import time
 from typing import Any
 
-from tiny_llm.blas import openblas_threads
-from tiny_llm.engine import LLMEngine
+from tiny_llm import LLMEngine, openblas_threads
 
 import mlx.core as mx
 import numpy as np
@@ -79,7 +78,7 @@ PROMPT_TOKENS = 16
 def gemm_rate(n: int = 1024, repeats: int = 5, split: bool = False) -> float:
     """float32 flops per second of one n x n x n product (median of repeats), by MLX's
     matmul or (``split``) by the extension's BLAS split over every core."""
-    from tiny_llm.extension import reference_extension
+    from tiny_llm import reference_extension
 
     a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
     ext = reference_extension()
@@ -132,7 +131,7 @@ ENGINES = {"MLX ops": (False, False, False), "kernels": (True, False, False),
 
 def stored_model(quick: bool) -> Any:
     """The default GGUF's weights as stored, or the tiny random model quantized as it is."""
-    from tiny_llm.loader import load
+    from tiny_llm import load
 
     import mlx.nn as nn
 

@@ -9,7 +9,7 @@ it, each alone in turn, the order rotated every round (``--rounds``, default 3; 
 - ``MLX ops``: the default engine with ``cpu_kernels=False``: every matmul by MLX's
   matmul (OpenBLAS on one thread), RoPE by ``mx.fast.rope``, what the engine did before the
   CPU kernels;
-- ``kernels``: the default engine (``tiny_llm/cpu_kernels.py``): decode rows by the
+- ``kernels``: the default engine (``tiny_llm/kernels/cpu_kernels.py``): decode rows by the
   extension's decode matmul, prefill rows by OpenBLAS split over the worker pool, RoPE by
   the extension's one op;
 - ``kernels, 16 slots``: the same with ``max_num_seqs=16``, the default before it became
@@ -42,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-from tiny_llm.engine import LLMEngine
+from tiny_llm import LLMEngine
 
 import mlx.core as mx
 from bench_cpu_decode import gemm_rate, matmul_params, stored_model

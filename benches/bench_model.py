@@ -6,7 +6,7 @@ Configurations, all with float32 activations, SmolLM2-135M-Instruct (GGUF) weigh
   ``quantized_matmul``), OpenBLAS loaded (it only serves the attention matmuls here);
 - ``b``: float32 weights, MLX's reference BLAS (``TINY_LLM_NO_OPENBLAS=1``);
 - ``c``: float32 weights with OpenBLAS interposed: what ``import tiny_llm`` does by default
-  (OpenBLAS on one thread, see ``tiny_llm/blas.py``);
+  (OpenBLAS on one thread, see ``tiny_llm/kernels/blas.py``);
 - ``cN``: (c) with OpenBLAS on every core (``OPENBLAS_NUM_THREADS`` = core count): its
   worker threads spin while they wait, and this shows what the one-thread default saves
   (or costs, on an idle machine);
@@ -27,7 +27,7 @@ for.
 
 What is timed, the same way for everyone: one greedy request with a ``--prompt-tokens``
 (512) prompt and ``--decode-tokens`` (128) new tokens. Ours runs through
-``tiny_llm.generate.stream_generate`` (model + ``DenseKVCache`` + sampler + detokenizer:
+``tiny_llm.engine.generate.stream_generate`` (model + ``DenseKVCache`` + sampler + detokenizer:
 what a user gets). Prefill tok/s = prompt tokens / time to the first new token (the
 prompt runs in one forward; mlx-lm runs it as one forward of all but the last token, then
 the last token with the first sampling step). Decode tok/s = (new tokens - 1) / time from
@@ -69,7 +69,7 @@ import sys
 import time
 from typing import Any
 
-from tiny_llm.blas import openblas_threads
+from tiny_llm import openblas_threads
 
 import numpy as np
 from common import (
@@ -139,7 +139,7 @@ def serve(model: Any, tokenizer: Any, n_requests: int, n_prompt: int,
           n_decode: int) -> dict[str, Any]:
     """``n_requests`` requests at once through the engine (defaults, prefix caching off):
     output tok/s, the median decode step and TTFT p50, wall-clock."""
-    from tiny_llm.engine import LLMEngine
+    from tiny_llm import LLMEngine
 
     ids = prompt_ids(tokenizer, n_prompt + 7 * n_requests)
     prompts = [ids[7 * i : 7 * i + n_prompt] for i in range(n_requests)]
@@ -175,9 +175,7 @@ def serve(model: Any, tokenizer: Any, n_requests: int, n_prompt: int,
 
 
 def worker(config: str, n_prompt: int, n_decode: int, n_serve: int) -> dict[str, Any]:
-    from tiny_llm.blas import openblas_loaded
-    from tiny_llm.generate import stream_generate
-    from tiny_llm.loader import load
+    from tiny_llm import load, openblas_loaded, stream_generate
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -363,7 +361,7 @@ def make_table(summary: dict[str, Any], data: dict[str, Any]) -> Table:
         f"rounds ((a), (b): {data['slow_rounds']}). Ratios vs (c) are medians of ratios "
         f"measured within a round. Decode bound = weight bytes read per token / copy "
         f"bandwidth ({data['copy_bandwidth_GBps']:.1f} GB/s, bytes read + written by a "
-        f"256 MB numpy copy). Ours: `tiny_llm.generate.stream_generate`; mlx-lm: "
+        f"256 MB numpy copy). Ours: `tiny_llm.engine.generate.stream_generate`; mlx-lm: "
         f"`mlx_lm.generate.generate_step` with `llama.Model` on the same float32 arrays. "
         f"Last column: leading greedy tokens identical to (c)'s. 1-minute load average "
         f"after each round: {', '.join(f'{x:.1f}' for x in data['load_avg_1m_after_each_round'])} "

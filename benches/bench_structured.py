@@ -35,9 +35,9 @@ GOAL = 1.10  # constrained / unconstrained step time at batch 32
 
 def run(engine, batch: int, constrained: bool) -> tuple[float, float]:
     """(median decode step, median seconds of the constrained rows' masks per step)."""
-    from tiny_llm.sampling import SamplingParams
-    from tiny_llm.sampling import constrained as mask_row
+    from tiny_llm import SamplingParams
     from tiny_llm.structured import StructuredOutput
+    from tiny_llm.structured import constrained as mask_row
 
     import numpy as np
 
@@ -65,7 +65,7 @@ def run(engine, batch: int, constrained: bool) -> tuple[float, float]:
 
 def main() -> None:
     args = bench_parser(__doc__).parse_args()
-    from tiny_llm.engine import LLMEngine
+    from tiny_llm import LLMEngine
 
     model, tokenizer, label = load_model(args.quick)
     engine = LLMEngine(model, tokenizer, num_pages=1024, max_num_seqs=max(BATCHES))

@@ -78,10 +78,8 @@ LINKS = {  # name: (one-way latency in seconds, bandwidth per direction in bytes
 
 def build(quick: bool):
     """The benchmark's model (the same random weights in every process) and tokenizer."""
-    from tiny_llm.loader import default_model_path
-    from tiny_llm.model import Model, ModelConfig
+    from tiny_llm import Model, ModelConfig, Tokenizer, default_model_path
     from tiny_llm.testing.models import random_weights
-    from tiny_llm.tokenizer import Tokenizer
 
     import mlx.core as mx
 
@@ -121,9 +119,7 @@ def time_all_reduces(group, rows: int, hidden: int, layers: int, repeats: int = 
 
 def run_ours(size: int, quick: bool, steps: int, fused: bool = True) -> dict | None:
     """One rank of our engine: rank 0 returns what it measured; a worker never returns."""
-    from tiny_llm.engine import LLMEngine
-    from tiny_llm.extension import reference_extension
-    from tiny_llm.sampling import SamplingParams
+    from tiny_llm import LLMEngine, SamplingParams, reference_extension
     from tiny_llm.tensor_parallel import join
 
     reference_extension().set_num_threads(1)

@@ -53,8 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiny_llm.engine import LLMEngine
-from tiny_llm.loader import default_model_path, load
+from tiny_llm import LLMEngine, default_model_path, load
 
 from bench_model import decode_bytes_per_token
 from common import (

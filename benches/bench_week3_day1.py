@@ -44,8 +44,8 @@ import statistics
 import time
 from typing import Any
 
+from tiny_llm import LLMEngine
 from tiny_llm.day1_batching import continuous_batching_steps, static_batching_steps
-from tiny_llm.engine import LLMEngine
 
 import numpy as np
 from common import (

@@ -53,7 +53,7 @@ import statistics
 import time
 from typing import Any
 
-from tiny_llm.engine import LLMEngine
+from tiny_llm import LLMEngine
 
 import numpy as np
 from common import (

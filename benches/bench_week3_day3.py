@@ -61,6 +61,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from tiny_llm import LLMEngine, Model, PagedLayout, StepBatch, causal_attention
 from tiny_llm.day1_batching import BatchingSimulator, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.day3_paged_kv import (
@@ -73,10 +74,6 @@ from tiny_llm.day3_paged_kv import (
     kv_cache_blocks_fragmentation,
     slots_for,
 )
-from tiny_llm.engine import LLMEngine
-from tiny_llm.kv_cache import causal_attention
-from tiny_llm.model import Model
-from tiny_llm.step import PagedLayout, StepBatch
 from tiny_llm.testing.paged import block_table
 
 import mlx.core as mx

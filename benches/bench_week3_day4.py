@@ -78,16 +78,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tiny_llm.blas import openblas_threads
+from tiny_llm import LLMEngine, causal_attention, extension, openblas_threads
 from tiny_llm.day3_paged_kv import PagePool, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import (
     paged_attention,
     paged_attention_reference,
     paged_kv_write,
 )
-from tiny_llm.engine import LLMEngine
-from tiny_llm.extension import extension
-from tiny_llm.kv_cache import causal_attention
 
 import mlx.core as mx
 import numpy as np

@@ -114,16 +114,13 @@ from pathlib import Path
 from typing import Any
 
 import tiny_llm
+from tiny_llm import IncrementalDetokenizer, LLMEngine, Model, extension
 from tiny_llm.day3_paged_kv import blocks_needed, kv_bytes_per_token
 from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
 from tiny_llm.day5_paged_flash import (
     TiledWalkAttention,
     paged_flash_reference,
 )
-from tiny_llm.engine import LLMEngine
-from tiny_llm.extension import extension
-from tiny_llm.model import Model
-from tiny_llm.tokenizer import IncrementalDetokenizer
 
 import mlx.core as mx
 import numpy as np

@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any
 
-from tiny_llm.engine import LLMEngine
+from tiny_llm import LLMEngine
 from tiny_llm.moe import LOOP_MIN_ROWS_PER_EXPERT, SparseMoeBlock, combine, dispatch, route
 from tiny_llm.testing.models import make_tiny_model
 
@@ -91,7 +91,7 @@ def block_times(block: SparseMoeBlock, rows: int) -> dict[str, float]:
 def phases(model, rows: int) -> dict[str, float]:
     """Seconds per phase of every sparse block, and of the whole forward, on ``rows`` rows
     (each phase evaluated on its own, so the shares are of separately timed pieces)."""
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm import DenseKVCache
 
     blocks = sparse_blocks(model)
     x = mx.random.normal((rows, model.config.hidden_size))

@@ -33,8 +33,7 @@ import statistics
 import time
 from typing import Any
 
-from tiny_llm.engine import EngineConfig, LLMEngine
-from tiny_llm.model import Model, ModelConfig
+from tiny_llm import EngineConfig, LLMEngine, Model, ModelConfig
 
 import mlx.core as mx
 from common import Table, bench_parser, greedy, load_model, save_results, spread

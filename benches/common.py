@@ -53,17 +53,17 @@ if "--learner" in sys.argv:
 
 # tiny_llm interposes OpenBLAS on import; mlx.core is imported after it, inside functions,
 # so that no import sorting can ever put MLX first.
-from tiny_llm import learner  # noqa: E402
-from tiny_llm.blas import openblas_loaded, openblas_threads  # noqa: E402
-from tiny_llm.sampling import SamplingParams  # noqa: E402
+from tiny_llm import (  # noqa: E402
+    SamplingParams,  # noqa: E402
+    learner,  # noqa: E402
+    openblas_loaded,
+    openblas_threads,
+)
 
 import numpy as np  # noqa: E402
 
 if TYPE_CHECKING:
-    from tiny_llm.engine import LLMEngine
-    from tiny_llm.model import Model
-    from tiny_llm.request import RequestOutput
-    from tiny_llm.tokenizer import Tokenizer
+    from tiny_llm import LLMEngine, Model, RequestOutput, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOT_THIS_MACHINE = 3  # a script's exit status where it does not apply (use_cpu on a Mac)
@@ -129,7 +129,7 @@ def bench_parser(doc: str | None, rounds: int = 3) -> argparse.ArgumentParser:
 def bench_device() -> str:
     """What a script's times are of: "cpu", "gpu", or "gpu rehearsal" (the GPU's
     configurations run on the CPU: its decisions, not its speed)."""
-    from tiny_llm.device import plans_for_gpu, rehearsing_gpu
+    from tiny_llm import plans_for_gpu, rehearsing_gpu
 
     if rehearsing_gpu():
         return "gpu rehearsal"
@@ -141,7 +141,7 @@ def use_cpu() -> None:
     Linux CPU path (the CPU kernels, OpenBLAS and its threads). They stop with a message
     where OpenBLAS is not interposed (a Mac: MLX's CPU matmuls go through Accelerate there),
     rather than label another BLAS's numbers as OpenBLAS's."""
-    from tiny_llm.device import set_gpu_rehearsal
+    from tiny_llm import set_gpu_rehearsal
 
     import mlx.core as mx
 
@@ -188,7 +188,7 @@ def with_threads(fn: Callable[[], Any], threads: int | None) -> Callable[[], Any
     """``fn`` evaluated with the kernel extension's worker pool limited to ``threads`` (the
     op reads the setting when it runs, so evaluate before restoring the default); None, on
     a GPU: ``fn`` evaluated as it is."""
-    from tiny_llm.extension import extension
+    from tiny_llm import extension
 
     import mlx.core as mx
 
@@ -241,9 +241,7 @@ def load_model(quick: bool, **tiny: Any) -> tuple[Model, Tokenizer, str]:
     """The default model (SmolLM2-135M-Instruct, float32, on any device) or, with ``quick``, a
     random float32 Llama-shaped model (``TINY_LLAMA``, changed by ``tiny``, e.g.
     ``vocab_size=512``; built here, never downloaded) with the same tokenizer."""
-    from tiny_llm.loader import default_model_path, load
-    from tiny_llm.model import Model, ModelConfig
-    from tiny_llm.tokenizer import Tokenizer
+    from tiny_llm import Model, ModelConfig, Tokenizer, default_model_path, load
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -311,7 +309,8 @@ class GemmProbe:
     vocabulary projection at ``logit_rows`` rows, on fresh random inputs, as an engine step
     runs them: by MLX's matmul, or with ``decode_rows`` (an engine with ``cpu_kernels``) the
     first ``decode_rows`` rows by the extension's decode kernel and the rest by its split
-    BLAS (``tiny_llm/cpu_kernels.py``), a layer's q, k and v (and gate and up) in one call."""
+    BLAS (``tiny_llm/kernels/cpu_kernels.py``), a layer's q, k and v (and gate and up) in one
+    call."""
 
     def __init__(self, model: Model):
         import mlx.nn as nn
@@ -338,7 +337,7 @@ class GemmProbe:
     HELD_BYTES = 16 << 20
 
     def time(self, tokens: int, logit_rows: int, decode_rows: int | None = None) -> float:
-        from tiny_llm.cpu_kernels import KernelPlan, linear, linears
+        from tiny_llm import KernelPlan, linear, linears
 
         import mlx.core as mx
 

@@ -14,7 +14,7 @@ Course options (the book's setup chapter):
   with ``@pytest.mark.task("3.2")``); ``-k task_2`` does the same within a day's file.
 
 ``--gpu-rehearsal`` (or ``TINY_LLM_GPU_REHEARSAL=1``) runs the tests as a Mac's GPU would
-decide them, computing on the CPU (``tiny_llm.device``); ``make test`` runs the suite once
+decide them, computing on the CPU (``tiny_llm.kernels.device``); ``make test`` runs the suite once
 more that way. A test of a CPU-only path runs on the CPU on every machine (the ``cpu_device``
 fixture, ``tiny_llm.testing.devices``); a test no device decision reaches (compilers, the
 book, the emulator's own machinery) is marked ``device_independent`` and left to the main
@@ -29,9 +29,11 @@ import tempfile
 from pathlib import Path
 
 import tiny_llm  # noqa: F401  (side effect: loads the OpenBLAS shim first)
-from tiny_llm import course, device, learner
+from tiny_llm.course import learner
+from tiny_llm.course import workspace as course
+from tiny_llm.kernels import device
+from tiny_llm.models.tokenizer import Tokenizer
 from tiny_llm.testing.devices import cpu_device, gpu_decisions  # noqa: F401  (fixtures)
-from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
 import pytest
@@ -47,7 +49,7 @@ def pytest_addoption(parser):
                     help="only the tests of course task ID (e.g. 3.2); repeatable")
     parser.addoption("--gpu-rehearsal", action="store_true",
                      help="take the GPU's decisions while computing on the CPU "
-                          "(tiny_llm.device; same as TINY_LLM_GPU_REHEARSAL=1)")
+                          "(tiny_llm.kernels.device; same as TINY_LLM_GPU_REHEARSAL=1)")
 
 
 def set_learner_switch(config) -> None:
@@ -151,7 +153,7 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer() -> Tokenizer:
-    from tiny_llm.loader import default_model_path
+    from tiny_llm.models.loader import default_model_path
 
     _, meta = mx.load(str(default_model_path()), return_metadata=True)
     return Tokenizer.from_gguf_metadata(meta)

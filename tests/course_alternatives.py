@@ -19,7 +19,8 @@ import os
 import textwrap
 from pathlib import Path
 
-from tiny_llm import course, learner
+from tiny_llm.course import learner
+from tiny_llm.course import workspace as course
 
 BODIES: dict[str, list[str]] = {
     "1.1": [

@@ -1,30 +1,53 @@
-"""The chapters build forward: the import graph of ``src/tiny_llm``.
+"""The tree shows the book: the import graph of ``src/tiny_llm``.
 
-A day's module imports only the core and earlier days, so a reader can replace one day's
-module with their own and run the engine on it; the engine (and the CLI, the test support)
-compose the days on top. Imports inside functions count too: a lazy import is still an
-arrow. No import circle may exist anywhere in the package.
+The top level of the package holds the chapters a reader works through (the days, the
+optional chapters and the Serving chapter's ``structured``), the CLI and the package's face;
+everything else lives in a package named for its role. ``LAYERS`` orders them, lowest first:
+a module imports only its own layer and the layers below, so a reader can replace one
+chapter's module with their own and run the engine on it, and a day imports only earlier
+days. Chapters sit where their idea is used: Mixture of Experts below the models that hold
+its layers, structured outputs below the sampler that masks with them. Imports inside
+functions count too: a lazy import is still an arrow. No import circle may exist anywhere.
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
-CORE = {"model", "moe", "loader", "tokenizer", "sampling", "request", "kv_cache", "step",
-        "extension", "cpu_kernels", "cpu_fused", "generate", "blas", "learner",
-        "device", "structured", "tool_calls"}  # fmt: skip
-# The optional chapters: the core and any day, never the engine.
-OPTIONAL = {"speculative", "tensor_parallel"}
-TOP = {"engine", "cli", "course", "course_tasks", "server", "__init__"}
-DAY = re.compile(r"day(\d+)_")
+# Lowest first. The course machinery needs nothing of the engine (``tiny_llm/__init__``
+# installs the learner switch before any chapter is imported).
+LAYERS = [
+    "course",
+    "kernels",
+    "moe",  # chapter: Mixture of Experts
+    "models",
+    "structured",  # chapter: Serving (structured outputs)
+    "sampling",
+    "step",
+    "day1_batching",
+    "day2_chunked_prefill",
+    "day3_paged_kv",
+    "day4_paged_attention",
+    "day5_paged_flash",
+    "speculative",  # chapter
+    "tensor_parallel",  # chapter
+    "engine",
+    "serving",
+    "cli",
+    "testing",
+]
+CHAPTERS = {"day1_batching", "day2_chunked_prefill", "day3_paged_kv", "day4_paged_attention",
+            "day5_paged_flash", "speculative", "moe", "tensor_parallel", "structured"}
+FACE = "__init__"
 
 
 def module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    return ".".join(rel.parts)
+    """``kernels/blas.py`` -> ``kernels.blas``; a package's ``__init__.py`` -> the package
+    (the package's own ``__init__.py`` -> ``__init__``, its face)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
 def imports() -> dict[str, set[str]]:
@@ -36,47 +59,62 @@ def imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module]
+                if node.module == "tiny_llm":  # `from tiny_llm import x`: x may be a module
+                    targets = [a.name for a in node.names]
+                elif node.module.startswith("tiny_llm."):
+                    targets += [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
                 continue
             for target in targets:
                 if target.startswith("tiny_llm."):
-                    found.add(target.removeprefix("tiny_llm."))
-        graph[name] = found
+                    target = target.removeprefix("tiny_llm.")
+                found.add(target)
+        graph[name] = {t for t in found if t in modules()}
     return graph
 
 
-def day_of(module: str) -> int | None:
-    m = DAY.match(module)
-    return int(m.group(1)) if m else None
+def modules() -> set[str]:
+    return {module_name(p) for p in PACKAGE.rglob("*.py")}
 
 
-def test_every_module_is_classified():
-    for name in imports():
-        top = name.split(".")[0]
-        assert top in CORE | TOP | OPTIONAL | {"testing", "_native"} or day_of(top) is not None, (
-            name)
+def layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
 
 
-def test_days_import_only_the_core_and_earlier_days():
+def test_the_top_level_holds_only_chapters_the_cli_and_the_face():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == CHAPTERS | {"cli", FACE}, top ^ (CHAPTERS | {"cli", FACE})
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(LAYERS), packages - set(LAYERS)
+    assert set(LAYERS) == CHAPTERS | packages | {"cli"}
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    for module, targets in imports().items():
+        if module == FACE or module.startswith("_native"):
+            continue
+        for target in targets:
+            if target.startswith("_native"):
+                continue
+            assert layer(target) <= layer(module), f"{module} imports {target}, a higher layer"
+
+
+def test_the_face_imports_the_blas_shim_and_the_learner_switch_alone():
+    """``import tiny_llm`` must load OpenBLAS before ``mlx.core`` and import no chapter, so
+    that the learner switch decides where each chapter comes from."""
+    targets = {t.split(".")[0] for t in imports()[FACE]}
+    assert targets <= {"kernels", "course"}, targets
+
+
+def test_package_inits_import_nothing_early():
+    """A package's ``__init__`` runs when any of its modules is imported: it may not import
+    a chapter (the learner switch replaces chapters at import)."""
     graph = imports()
-    days = {m for m in graph if day_of(m) is not None}
-    assert {day_of(m) for m in days} == {1, 2, 3, 4, 5}
-    for module in days:
-        for target in graph[module]:
-            top = target.split(".")[0]
-            if day_of(top) is not None:
-                assert day_of(top) < day_of(module), f"{module} imports a later day: {target}"
-            else:
-                assert top in CORE, f"{module} imports {target}, which is not the core"
-
-
-def test_the_core_imports_no_chapter():
-    graph = imports()
-    for module in CORE:
-        for target in graph[module]:
-            assert target.split(".")[0] in CORE, f"core module {module} imports {target}"
+    for module, targets in graph.items():
+        if (PACKAGE / module / "__init__.py").exists():
+            assert not {t.split(".")[0] for t in targets} & CHAPTERS, (module, targets)
 
 
 def test_no_import_circle():
@@ -87,7 +125,7 @@ def test_no_import_circle():
         state[node] = 1
         for nxt in graph.get(node, ()):
             if nxt not in graph:
-                continue  # a submodule of the compiled extension
+                continue  # a package without modules of its own, or the compiled extension
             if state.get(nxt) == 1:
                 cycle = path[path.index(nxt):] + [nxt]
                 raise AssertionError("import circle: " + " -> ".join(cycle))
@@ -98,11 +136,3 @@ def test_no_import_circle():
     for module in graph:
         if state.get(module) is None:
             visit(module, [module])
-
-
-def test_optional_chapters_build_on_the_days_not_on_the_engine():
-    graph = imports()
-    for module in OPTIONAL:
-        for target in graph[module]:
-            top = target.split(".")[0]
-            assert top in CORE or day_of(top) is not None or top == "loader", (module, target)

@@ -289,7 +289,7 @@ def visible_text(html: str) -> str:
 def telling_lines(task) -> set[str]:
     """Lines of a task's reference body that would give it away: long enough to mean
     something, and found nowhere in the reference outside a task."""
-    from tiny_llm import course
+    from tiny_llm.course import workspace as course
 
     outside: set[str] = set()
     body: set[str] = set()
@@ -305,7 +305,7 @@ def telling_lines(task) -> set[str]:
 
 
 def test_chapters_show_each_tasks_stub_and_fold_its_solution(built_book):
-    from tiny_llm import course
+    from tiny_llm.course import workspace as course
 
     out, _ = built_book
     pages = {p: {line.strip() for line in visible_text(p.read_text(encoding="utf-8")).split("\n")}

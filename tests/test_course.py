@@ -29,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny_llm import course, learner
+from tiny_llm.course import learner
+from tiny_llm.course import workspace as course
 
 import pytest
 from ahead import Ahead, selected_params
@@ -413,7 +414,7 @@ def test_the_fully_stubbed_extension_compiles_and_raises_the_first_tasks_error(
 @pytest.mark.parametrize("task", METAL_TASKS, ids=lambda t: t.id)
 def test_stubbing_a_metal_task_alone_stops_the_emulated_kernel_with_its_message(task):
     sys.path.insert(0, str(course.SRC.parents[1] / "tools"))
-    from tiny_llm.extension import extension
+    from tiny_llm.kernels.extension import extension
     from tiny_llm.testing.paged import make_paged_case
 
     from metal_emulator import EmulatorError, run_plan
@@ -489,7 +490,7 @@ def test_the_course_kernel_computes_the_tuned_kernels_attention(tiled, switchabl
     """A learner's build runs the readable fold (``fold_page_plain``, Task 4.2), the engine's
     the tuned one; the same attention within float32 rounding (their exp and the order of
     their sums differ, so the bits do too)."""
-    from tiny_llm.extension import reference_extension
+    from tiny_llm.kernels.extension import reference_extension
     from tiny_llm.testing.paged import make_paged_case
 
     import mlx.core as mx
@@ -514,7 +515,7 @@ D3 = "tiny_llm/day3_paged_kv.py"
 D4, D5 = "tiny_llm/day4_paged_attention.py", "tiny_llm/day5_paged_flash.py"
 SPEC, MOE = "tiny_llm/speculative.py", "tiny_llm/moe.py"
 TP = "tiny_llm/tensor_parallel.py"
-STRUCTURED, SAMPLING = "tiny_llm/structured.py", "tiny_llm/sampling.py"
+STRUCTURED = "tiny_llm/structured.py"
 MUTANTS = {
     "1.1": (D1, "self.left -= 1", "pass"),  # a decode that costs the budget nothing
     "1.2": (D1, "self.caches[slot].reset()", "pass"),  # a reused slot keeps old K/V
@@ -552,7 +553,7 @@ MUTANTS = {
     "8.3": (TP, "arrays = [batch.token_ids, batch.positions,",  # not the order it is read in
             "arrays = [batch.positions, batch.token_ids,"),
     "9.1": (STRUCTURED, 'bitorder="little"', 'bitorder="big"'),  # each byte's bits reversed
-    "9.2": (SAMPLING, "np.where(constraint.allowed(), np.asarray(row, dtype=np.float32),",
+    "9.2": (STRUCTURED, "np.where(constraint.allowed(), np.asarray(row, dtype=np.float32),",
             "np.where(~constraint.allowed(), np.asarray(row, dtype=np.float32),"),  # inverted
 }
 

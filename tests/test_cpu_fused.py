@@ -1,4 +1,4 @@
-"""The fused decoder layers of decode steps (``tiny_llm/cpu_fused.py``).
+"""The fused decoder layers of decode steps (``tiny_llm/kernels/cpu_fused.py``).
 
 - every step's logits with the fused layers are the op path's bit for bit, and so are the
   tokens, for each family's switches (Llama, Qwen2's q/k/v biases, Qwen3's head norms,
@@ -63,8 +63,8 @@ def model_of(case: str) -> nn.Module:
 
 def run(model, tokenizer, **config):
     """Each request's tokens, the logits of every step and how many layers ran fused."""
-    from tiny_llm import cpu_fused
     from tiny_llm.engine import LLMEngine
+    from tiny_llm.kernels import cpu_fused
     from tiny_llm.testing.runs import tokens_of, workload
 
     engine = LLMEngine(model, tokenizer, num_pages=64, **config)
@@ -153,8 +153,8 @@ def test_a_draft_model_follows_the_engines_option(smollm_tokenizer):
 
 
 def test_steps_with_prefill_rows_run_op_by_op(smollm_tokenizer):
-    from tiny_llm import cpu_fused
     from tiny_llm.engine import LLMEngine
+    from tiny_llm.kernels import cpu_fused
     from tiny_llm.testing.runs import greedy
 
     engine = LLMEngine(model_of("llama"), smollm_tokenizer, num_pages=64)
@@ -183,7 +183,7 @@ def test_moe_layers_run_op_by_op(smollm_tokenizer):
 def test_a_learners_extension_runs_op_by_op(smollm_tokenizer, monkeypatch):
     """With a learner's kernels loaded, the model must run them: the fused ops would run
     the reference's attention instead."""
-    from tiny_llm import cpu_fused
+    from tiny_llm.kernels import cpu_fused
 
     monkeypatch.setattr(cpu_fused, "extension", lambda: object())
     assert run(model_of("llama"), smollm_tokenizer)[2] == 0
@@ -219,8 +219,8 @@ def addresses(arrays) -> list[int]:
 
 
 def test_the_pools_are_written_in_place(smollm_tokenizer):
-    from tiny_llm import cpu_fused
-    from tiny_llm.extension import reference_extension
+    from tiny_llm.kernels import cpu_fused
+    from tiny_llm.kernels.extension import reference_extension
 
     engine = decode_engine(model_of("llama"), smollm_tokenizer)
     pool = engine.kv.pool
@@ -242,7 +242,7 @@ def test_the_pools_are_written_in_place(smollm_tokenizer):
 def test_a_pool_held_elsewhere_is_not_written_in_place(smollm_tokenizer, holder):
     """An array of the pool that someone else holds (or a view of it) keeps its values: the
     step runs op by op, whose write copies that pool; the tokens do not change."""
-    from tiny_llm import cpu_fused
+    from tiny_llm.kernels import cpu_fused
 
     model = model_of("llama")
     engine, want = decode_engine(model, smollm_tokenizer), decode_engine(model, smollm_tokenizer)
@@ -271,7 +271,7 @@ def test_replaced_weights_are_read_again(smollm_tokenizer):
 
 
 def test_bad_input_is_refused():
-    from tiny_llm.extension import reference_extension
+    from tiny_llm.kernels.extension import reference_extension
 
     ext = reference_extension()
     w = [mx.zeros((64, 64)), mx.zeros((32, 64)), mx.zeros((32, 64))]

@@ -1,5 +1,5 @@
 """The model's CPU kernels: the extension's ``linear`` and ``rope``, and the routing of
-``tiny_llm/cpu_kernels.py``.
+``tiny_llm/kernels/cpu_kernels.py``.
 
 - ``linear(x, w)`` is ``x @ w.T`` against a float64 oracle for every tile remainder (M and
   N not multiples of the tile, K not a multiple of 8, K = 1);
@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.usefixtures("cpu_device"), pytest.mark.device_independ
 
 @pytest.fixture(scope="module")
 def ext():
-    from tiny_llm.extension import reference_extension
+    from tiny_llm.kernels.extension import reference_extension
 
     module = reference_extension()
     assert module is not None, "the extension must be built for the tests (make setup)"
@@ -184,7 +184,7 @@ def test_layers_applied_together_equal_each_applied_alone(ext):
     """``apply_linears``: in a step the same bits as each layer alone, biases where a layer
     has one; outside a step exactly MLX's ``x @ w.T + b``; a quantized layer takes its own
     path."""
-    from tiny_llm.cpu_kernels import KernelPlan, Linear, apply_linears
+    from tiny_llm.kernels.cpu_kernels import KernelPlan, Linear, apply_linears
 
     import mlx.nn as nn
 
@@ -215,7 +215,7 @@ def test_layers_applied_together_equal_each_applied_alone(ext):
 def kernel_calls(monkeypatch, ext):
     """(rows, blas) of every call into the extension's linear, (name, rows) of the others;
     ``calls.weights``: how many weight matrices each linear call multiplied."""
-    from tiny_llm import cpu_kernels
+    from tiny_llm.kernels import cpu_kernels
 
     class Calls(list):
         weights: list[int]
@@ -262,8 +262,8 @@ def kernel_calls(monkeypatch, ext):
 
 
 def test_decode_rows_take_the_decode_kernel_and_the_rest_split_blas(kernel_calls, ext):
-    from tiny_llm import cpu_kernels
-    from tiny_llm.cpu_kernels import KernelPlan, Linear
+    from tiny_llm.kernels import cpu_kernels
+    from tiny_llm.kernels.cpu_kernels import KernelPlan, Linear
 
     layer = Linear(24, 10, bias=True)
     x = mx.random.normal((5, 24), key=mx.random.key(7))
@@ -284,8 +284,8 @@ def test_decode_rows_take_the_decode_kernel_and_the_rest_split_blas(kernel_calls
 
 
 def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, tiny_model):
-    from tiny_llm.cpu_kernels import KernelPlan
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.kernels.cpu_kernels import KernelPlan
+    from tiny_llm.step.dense_kv import DenseKVCache
 
     cache = DenseKVCache(tiny_model.config.num_hidden_layers)
     tiny_model(mx.array([5, 9], dtype=mx.int32), mx.array([0, 1]), cache)
@@ -306,7 +306,7 @@ def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, ti
 def test_the_engine_option_turns_the_kernels_on_and_off(kernel_calls, tiny_model,
                                                         smollm_tokenizer, cpu_kernels):
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.sampling import SamplingParams
+    from tiny_llm.sampling.sampler import SamplingParams
 
     engine = LLMEngine(tiny_model, smollm_tokenizer, cpu_kernels=cpu_kernels, num_pages=16)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -317,14 +317,14 @@ def test_the_engine_option_turns_the_kernels_on_and_off(kernel_calls, tiny_model
     if not cpu_kernels:
         assert kernel_calls == []
     else:  # prefill rows by the split BLAS, decodes (2 rows per step) by the decode kernel
-        from tiny_llm.cpu_kernels import split_blas
+        from tiny_llm.kernels.cpu_kernels import split_blas
 
         assert (2, False) in kernel_calls and ((7, True) in kernel_calls) == split_blas()
         assert all(rows in (2, 7, "rope", "swiglu", "rms_norm") for rows, _ in kernel_calls)
 
 
 def test_step_batch_counts_the_leading_single_row_sequences():
-    from tiny_llm.step import ScheduledChunk, StepBatch
+    from tiny_llm.step.batch import ScheduledChunk, StepBatch
 
     class Seq:  # what StepBatch.build reads of a request
         num_tokens, spec_token_ids = 8, []
@@ -348,7 +348,7 @@ def test_step_batch_counts_the_leading_single_row_sequences():
 @pytest.mark.parametrize("dims, head_dim", [(64, 64), (16, 32)])
 @pytest.mark.parametrize("scale, freqs", [(1.0, None), (0.25, None), (1.0, "custom")])
 def test_rope_matches_mlx(ext, traditional, dims, head_dim, scale, freqs):
-    from tiny_llm.cpu_kernels import rope, rope_inv_freq
+    from tiny_llm.kernels.cpu_kernels import rope, rope_inv_freq
 
     positions = mx.array([0, 1, 7, 300, 4095, 100_000, 5], dtype=mx.int32)
     x = mx.random.normal((7, 3, head_dim), key=mx.random.key(8))
@@ -543,7 +543,7 @@ def test_a_model_built_on_one_thread_serves_on_another(smollm_tokenizer):
     import threading
 
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.sampling import SamplingParams
+    from tiny_llm.sampling.sampler import SamplingParams
     from tiny_llm.testing.models import make_tiny_model
 
     engine = LLMEngine(make_tiny_model(), smollm_tokenizer, num_pages=16)
@@ -773,7 +773,7 @@ def test_quantized_layers_take_the_kernel_in_a_step(kernel_calls, ext):
     """A model quantized with ``nn.quantize`` holds ``QuantizedLinear`` layers; in a step
     they go through the kernel in one call for q/k/v, and match MLX's own quantized matmul;
     formats the kernel does not serve take MLX's op."""
-    from tiny_llm.cpu_kernels import KernelPlan, Linear, QuantizedLinear, apply_linears
+    from tiny_llm.kernels.cpu_kernels import KernelPlan, Linear, QuantizedLinear, apply_linears
 
     import mlx.nn as nn
 
@@ -896,8 +896,8 @@ def test_a_quantized_engine_serves_each_request_as_alone(kernel_calls, smollm_to
     """A 4-bit model (an 8-bit embedding, as the default GGUF): the engine's greedy tokens
     in a batch equal each request served alone by the same engine and by the reference
     ``stream_generate`` on MLX's own quantized matmul; its decode rows took the kernel."""
-    from tiny_llm import cpu_kernels
     from tiny_llm.engine import LLMEngine
+    from tiny_llm.kernels import cpu_kernels
     from tiny_llm.testing.models import make_tiny_model
     from tiny_llm.testing.runs import served_alone, tokens_of, workload
 

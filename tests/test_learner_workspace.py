@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny_llm import course, learner
+from tiny_llm.course import learner
+from tiny_llm.course import workspace as course
 
 import course_alternatives
 import pytest

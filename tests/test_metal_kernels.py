@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 import tiny_llm  # noqa: E402, F401  (before mlx: it sets up MLX's CPU BLAS)
-from tiny_llm import learner  # noqa: E402
+from tiny_llm.course import learner  # noqa: E402
 from tiny_llm.testing.paged import float64_reference, make_paged_case  # noqa: E402
 
 from metal_check import largest_geometries  # noqa: E402
@@ -67,7 +67,7 @@ from metal_emulator import (  # noqa: E402
 )
 from metal_emulator.mlx_jit import type_string  # noqa: E402
 
-# The kernels under test: the learner's copy in course mode (tiny_llm.learner), else src/.
+# The kernels under test: the learner's copy in course mode (tiny_llm.course.learner), else src/.
 _WORKSPACE = learner.workspace()
 METAL_DIR = (_WORKSPACE / "extensions" / "metal"
              if _WORKSPACE is not None and (_WORKSPACE / "extensions").is_dir()
@@ -209,7 +209,7 @@ PLANS = {"vector": False, "flash": True}  # plan name -> the op's `tiled` argume
 
 
 def extension():
-    from tiny_llm.extension import extension as load
+    from tiny_llm.kernels.extension import extension as load
 
     return load()
 
@@ -616,7 +616,7 @@ def test_default_model_on_gpu_generates_the_cpu_tokens() -> None:
     # tokens equal the CPU engine's. (float32 everywhere keeps rounding far below the
     # gaps between the top logits of these prompts; a flip would show as a mismatch.)
     from tiny_llm import LLMEngine, SamplingParams
-    from tiny_llm.loader import load
+    from tiny_llm.models.loader import load
 
     import mlx.core as mx
 

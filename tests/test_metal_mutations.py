@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiny_llm import course
+from tiny_llm.course import workspace as course
 
 import numpy as np
 import pytest

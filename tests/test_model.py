@@ -1,4 +1,4 @@
-"""tiny_llm.model against mlx-lm's model classes (the model oracle).
+"""tiny_llm.models.model against mlx-lm's model classes (the model oracle).
 
 Every test builds a tiny random model of one family, gives mlx-lm's class of the same
 family exactly the same weights (parameter names are shared), and compares logits: over a
@@ -12,10 +12,10 @@ near-constant outputs.
 
 from __future__ import annotations
 
-from tiny_llm.cpu_kernels import KernelPlan, kernels_available
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.loader import build_model, on_cpu
-from tiny_llm.model import Model, ModelConfig
+from tiny_llm.kernels.cpu_kernels import KernelPlan, kernels_available
+from tiny_llm.models.loader import build_model, on_cpu
+from tiny_llm.models.model import Model, ModelConfig
+from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.models import mlx_lm_model, random_weights
 
 import mlx.core as mx
@@ -107,7 +107,7 @@ def compare_prompt_and_decode(ours: Model, ref: nn.Module, atol: float = ATOL,
                               decode_rtol: float | None = None) -> None:
     """One prompt forward, then DECODE_STEPS greedy steps, ours vs mlx-lm, each with its cache;
     with ``decode_kernel`` the decode steps' matmuls take the extension's kernel as the
-    engine's decode rows do (``tiny_llm/cpu_kernels.py``), with ``int8`` in int8
+    engine's decode rows do (``tiny_llm/kernels/cpu_kernels.py``), with ``int8`` in int8
     activations; ``decode_rtol``: the decode steps' logits within that fraction of their
     largest magnitude (else within ``atol``)."""
     tokens = prompt(vocab=ours.config.vocab_size)
@@ -380,7 +380,7 @@ def test_rope_scaling_matches_mlx_lm(scaling):
 
 
 def test_llama3_frequencies_cover_all_bands():
-    from tiny_llm.model import rope_frequencies
+    from tiny_llm.models.model import rope_frequencies
 
     config = ModelConfig.from_hf(
         dict(CONFIGS["llama-mha-untied"], head_dim=32, rope_scaling=LLAMA3_SCALING)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 
-from tiny_llm import loader
 from tiny_llm.engine import LLMEngine
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.loader import build_model, convert_gguf_weights, gguf_config
-from tiny_llm.model import MLP, Model, ModelConfig
+from tiny_llm.models import loader
+from tiny_llm.models.loader import build_model, convert_gguf_weights, gguf_config
+from tiny_llm.models.model import MLP, Model, ModelConfig
 from tiny_llm.moe import (
     LOOP_MIN_ROWS_PER_EXPERT,
     SparseMoeBlock,
@@ -28,6 +27,7 @@ from tiny_llm.moe import (
     route,
     use_loop,
 )
+from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.models import make_tiny_model, mlx_lm_model, random_weights, tiny_config
 from tiny_llm.testing.runs import served_alone, tokens_of, workload
 

@@ -19,9 +19,9 @@ import threading
 import time
 from dataclasses import replace
 
-from tiny_llm.device import rehearsing_gpu
 from tiny_llm.engine import LLM, LLMEngine
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.kernels.device import rehearsing_gpu
+from tiny_llm.sampling.sampler import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
 import pytest
@@ -152,6 +152,9 @@ class FailingAttention:
 
     def state(self):
         return self.inner.state()
+
+    def fused_decode(self):
+        return None  # every layer through attend: the failure must come from there
 
 
 class FailingGenerator:

@@ -1,10 +1,10 @@
-"""Tests for tiny_llm.sampling: parameter validation, exact filter sets, seeded batch invariance,
-sampled frequencies (chi-square) and greedy argmax."""
+"""Tests for tiny_llm.sampling.sampler: parameter validation, exact filter sets, seeded batch
+invariance, sampled frequencies (chi-square) and greedy argmax."""
 
 import dataclasses
 import math
 
-from tiny_llm.sampling import (
+from tiny_llm.sampling.sampler import (
     RequestSampler,
     SamplingParams,
     TokenHistory,
@@ -599,7 +599,7 @@ def test_logprobs_are_the_models_own_or_the_processed_ones(tiny_model, smollm_to
     and top-k, ``filter_logits``); greedy and sampled, batched, each with the tokens it
     gets served alone. The two modes differ here, by the bias and the penalties."""
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.step.dense_kv import DenseKVCache
     from tiny_llm.testing.runs import random_prompts, served_alone
 
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=5, lo=4, hi=12)]
@@ -662,7 +662,7 @@ def test_prompt_logprobs_are_the_models_own(tiny_model, smollm_tokenizer):
     samples, and unchanged when the pool is so small that requests are preempted and
     recomputed."""
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.step.dense_kv import DenseKVCache
     from tiny_llm.testing.runs import random_prompts
 
     def expected(ids: list[int], k: int) -> list[tuple[int, float, list[int]]]:

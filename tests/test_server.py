@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.generate import stream_generate
-from tiny_llm.sampling import SamplingParams
-from tiny_llm.server import APIError, CompletionShape, Server, uvicorn_config
+from tiny_llm.engine.generate import stream_generate
+from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.serving.server import APIError, CompletionShape, Server, uvicorn_config
 from tiny_llm.testing.runs import served_alone
 
 import openai
@@ -556,7 +556,7 @@ def asking(name: str, chat: bool) -> object:
 
 
 def test_every_field_is_honoured_or_refused_never_ignored(served, client):
-    from tiny_llm import server as api
+    from tiny_llm.serving import server as api
 
     url, server = served
     for chat in (True, False):
@@ -758,7 +758,7 @@ def test_completions_logprobs_are_aligned_with_the_text(served):
 
 def test_the_serving_chapters_table_lists_every_field():
     """The book's table of fields (serving.md) names exactly the server's sets."""
-    from tiny_llm import server as api
+    from tiny_llm.serving import server as api
 
     table = (ROOT / "book" / "src" / "serving.md").read_text().split("| field |")[1]
     named = set(re.findall(r"`(\w+)`", table.split("\n\n")[0]))
@@ -936,10 +936,10 @@ SERVE_SCRIPT = textwrap.dedent("""
     import tiny_llm
     import mlx.core as mx
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.loader import default_model_path
-    from tiny_llm.server import serve
+    from tiny_llm.models.loader import default_model_path
+    from tiny_llm.serving.server import serve
     from tiny_llm.testing.models import make_tiny_model
-    from tiny_llm.tokenizer import Tokenizer
+    from tiny_llm.models.tokenizer import Tokenizer
 
     _, meta = mx.load(str(default_model_path()), return_metadata=True)
     engine = LLMEngine(make_tiny_model(), Tokenizer.from_gguf_metadata(meta), num_pages=256,
@@ -1148,7 +1148,7 @@ def test_tool_calls_as_the_openai_client_reads_them(served, client):
     and a strict tool's call that its schema refuses comes back as text; none neither
     offers nor reads; a follow-up with the call and its result is served; bad tools are
     400s naming the field."""
-    from tiny_llm import tool_calls
+    from tiny_llm.sampling import tool_calls
 
     import jsonschema
     from test_tool_calls import TOOLS

@@ -12,7 +12,7 @@ import json
 import re
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling import SamplingParams, token_logprob
+from tiny_llm.sampling.sampler import SamplingParams, token_logprob
 from tiny_llm.structured import GrammarError, StructuredOutput
 from tiny_llm.testing.runs import served_alone
 
@@ -173,7 +173,7 @@ def test_logprobs_come_from_the_model_or_the_masked_distribution(tiny_model, smo
 
 
 def _last_logits(model, ids):
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.step.dense_kv import DenseKVCache
 
     return model(mx.array(ids), mx.arange(len(ids)), DenseKVCache(model.config.num_hidden_layers),
                  mx.array([len(ids) - 1]))[0]

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.model import Attention
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.models.model import Attention
+from tiny_llm.sampling.sampler import SamplingParams
 from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
 from tiny_llm.testing.ranks import LocalRanks, free_ports, launched_ranks
@@ -98,7 +98,7 @@ def test_the_shards_partial_sums_add_up_to_the_whole_layer(family, kw):
 
 
 def _cache(attn: Attention):
-    from tiny_llm.kv_cache import DenseKVCache
+    from tiny_llm.step.dense_kv import DenseKVCache
 
     return DenseKVCache(attn.layer + 1)
 
@@ -124,7 +124,7 @@ def test_quantized_layers_are_split_as_stored():
 
 
 def test_a_geometry_that_does_not_divide_is_refused_with_the_valid_sizes():
-    from tiny_llm.model import ModelConfig
+    from tiny_llm.models.model import ModelConfig
 
     smollm2 = ModelConfig("llama", 576, 30, 1536, 9, 3, 49152)
     assert valid_sizes(smollm2) == [1, 3]
@@ -187,8 +187,8 @@ RANK_SCRIPT = textwrap.dedent("""
 
 
 def tokenizer():
-    from tiny_llm.loader import default_model_path
-    from tiny_llm.tokenizer import Tokenizer
+    from tiny_llm.models.loader import default_model_path
+    from tiny_llm.models.tokenizer import Tokenizer
 
     _, meta = mx.load(str(default_model_path()), return_metadata=True)
     return Tokenizer.from_gguf_metadata(meta)
@@ -300,7 +300,7 @@ FAULT_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.sampling import SamplingParams
+    from tiny_llm.sampling.sampler import SamplingParams
     engine = LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
                        tensor_parallel_timeout=float(sys.argv[2]), num_pages=1024)
     print("serving", flush=True)
@@ -366,7 +366,7 @@ SERVE_TINY_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.server import serve
+    from tiny_llm.serving.server import serve
     engine = LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
                        num_pages=64)
     serve(engine, "tiny", port=int(sys.argv[2]), shutdown_timeout=1.0)

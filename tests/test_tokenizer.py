@@ -1,4 +1,4 @@
-"""tiny_llm.tokenizer against transformers, used as an independent oracle.
+"""tiny_llm.models.tokenizer against transformers, used as an independent oracle.
 
 The oracle is transformers' own GGUF tokenizer path (`from_pretrained(dir, gguf_file=...)`). Only
 its GGUF *file reader* is replaced: that module imports torch, which the test environment does not
@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tiny_llm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tiny_llm.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 import gguf
 import pytest
@@ -311,7 +311,7 @@ def test_a_template_that_reads_tools_renders_them_as_transformers_does(metadata,
     token spelled inside a tool or a call's arguments stays text."""
     from tiny_llm.engine.config import EngineConfig
     from tiny_llm.engine.inputs import InputProcessor
-    from tiny_llm.tool_calls import check_tools
+    from tiny_llm.sampling.tool_calls import check_tools
 
     tok = Tokenizer.from_gguf_metadata({**metadata, "tokenizer.chat_template": TOOLS_TEMPLATE})
     assert tok.template_reads_tools
@@ -446,8 +446,8 @@ def test_a_byte_fallback_piece_stands_for_its_byte(tok: Tokenizer, monkeypatch):
 
 
 def test_logprob_records_carry_each_tokens_own_bytes(tok: Tokenizer):
-    from tiny_llm.sampling import TokenLogprob
-    from tiny_llm.server import ChatShape, Spelling
+    from tiny_llm.sampling.sampler import TokenLogprob
+    from tiny_llm.serving.server import ChatShape, Spelling
 
     ids = tok.encode("🦀!", add_special_tokens=False)
     spelling = Spelling(lambda t: tok.decode([t]), tok.token_bytes)

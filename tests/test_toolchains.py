@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny_llm.extension import extension
+from tiny_llm.kernels.extension import extension
 from tiny_llm.testing.paged import make_paged_case
 
 import mlx.core as mx

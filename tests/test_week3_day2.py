@@ -10,8 +10,8 @@ import random
 from tiny_llm.day1_batching import StepBudget
 from tiny_llm.day2_chunked_prefill import TokenBudget
 from tiny_llm.engine import LLMEngine
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.runs import RecordingModel
 
 import mlx.core as mx

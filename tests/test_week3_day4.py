@@ -21,10 +21,10 @@ from tiny_llm.day4_paged_attention import (
     paged_attention_reference,
     paged_kv_write,
 )
-from tiny_llm.device import plans_for_gpu
 from tiny_llm.engine import LLMEngine
-from tiny_llm.extension import extension
-from tiny_llm.kv_cache import causal_attention
+from tiny_llm.kernels.device import plans_for_gpu
+from tiny_llm.kernels.extension import extension
+from tiny_llm.step.dense_kv import causal_attention
 from tiny_llm.testing.backends import CheckedAttention
 from tiny_llm.testing.paged import DTYPES, PagedCase, dense_reference, make_paged_case
 from tiny_llm.testing.runs import greedy, run_staggered
@@ -517,7 +517,7 @@ def test_cpp_op_rejects_q_that_does_not_fit_the_pages():
     or Hq is not a multiple of Hkv; run in a subprocess so a crash cannot take pytest down."""
     script = textwrap.dedent("""
         import tiny_llm
-        from tiny_llm.extension import extension
+        from tiny_llm.kernels.extension import extension
         import mlx.core as mx
         ext = extension()
         meta = (mx.array([[0]], dtype=mx.int32), mx.array([1], dtype=mx.int32),

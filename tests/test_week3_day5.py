@@ -30,10 +30,10 @@ from tiny_llm.day5_paged_flash import (
     paged_flash_reference,
     tile_rows,
 )
-from tiny_llm.device import plans_for_gpu
 from tiny_llm.engine import LLMEngine
-from tiny_llm.extension import extension
-from tiny_llm.kv_cache import DenseKVCache
+from tiny_llm.kernels.device import plans_for_gpu
+from tiny_llm.kernels.extension import extension
+from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.backends import CheckedAttention
 from tiny_llm.testing.paged import DTYPES, PagedCase, block_table, dense_reference, make_paged_case
 from tiny_llm.testing.runs import RecordingModel, greedy, tokens_of

@@ -83,7 +83,7 @@ class _Request:
 
 
 def flat_batch() -> str:
-    from tiny_llm.step import ScheduledChunk, StepBatch
+    from tiny_llm import ScheduledChunk, StepBatch
 
     # Two decodes (contexts of 41 and 18 tokens), a 6-token prompt computed whole, and
     # tokens 32..39 of a 64-token prompt (a chunk that does not reach its end).

@@ -8,7 +8,7 @@ error naming the task); after the block, one collapsed ``<details>`` per task ho
 reference body. A block that holds part of a region only (an anchor that starts or ends
 inside a task) fails the build: the anchor must be narrowed or widened to the whole task.
 
-Standard library only: it loads ``src/tiny_llm/course_tasks.py`` by path, so any Python 3
+Standard library only: it loads ``src/tiny_llm/course/tasks.py`` by path, so any Python 3
 runs it, with or without the project's environment.
 
     python3 tools/book_tasks.py supports html     # mdBook's question: exit 0
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-COURSE_TASKS = Path(__file__).resolve().parents[1] / "src" / "tiny_llm" / "course_tasks.py"
+COURSE_TASKS = Path(__file__).resolve().parents[1] / "src" / "tiny_llm" / "course" / "tasks.py"
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)(?P<lang>[\w+-]*)")
 MARK = re.compile(r"^(?P<indent>[ \t]*)(?P<c>#|//) TASK (?P<id>\d+\.\d+): ")
 END = re.compile(r"^[ \t]*(#|//) END TASK\s*$")

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_llm  # noqa: E402, F401  (before mlx)
-from tiny_llm.extension import extension  # noqa: E402
+from tiny_llm import extension  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from metal_emulator.mlx_jit import kernel_source  # noqa: E402

@@ -55,11 +55,14 @@ class Trace:
 def trace() -> Trace:
     """What one greedy request of 8 tokens passes through while it is served."""
     import tiny_llm  # noqa: F401 (before mlx.core: it interposes OpenBLAS)
-    from tiny_llm.engine import LLMEngine
-    from tiny_llm.loader import default_model_path
-    from tiny_llm.model import Model, ModelConfig
-    from tiny_llm.sampling import SamplingParams
-    from tiny_llm.tokenizer import Tokenizer
+    from tiny_llm import (
+        LLMEngine,
+        Model,
+        ModelConfig,
+        SamplingParams,
+        Tokenizer,
+        default_model_path,
+    )
 
     import mlx.core as mx
 

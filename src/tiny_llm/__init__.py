@@ -1,18 +1,19 @@
 """tiny_llm: a mini vLLM on MLX, built one chapter a day.
 
 ``import tiny_llm`` interposes OpenBLAS for MLX's CPU matmuls (before ``mlx.core`` loads),
-sets up the engine's log, and installs the learner switch (``tiny_llm.learner``). The
+sets up the engine's log, and installs the learner switch (``tiny_llm.course.learner``). The
 engine is imported on first use of ``tiny_llm.LLM`` and friends, so that no day's module is
 imported before the switch can choose where it comes from.
 """
 
+import importlib
 import logging
 
-from tiny_llm.blas import load_openblas
+from tiny_llm.kernels.blas import load_openblas
 
 load_openblas()  # must precede the first `import mlx.core`
 
-from tiny_llm import learner  # noqa: E402
+from tiny_llm.course import learner  # noqa: E402
 
 learner.install()
 
@@ -25,20 +26,49 @@ if not _log.handlers:
     _log.addHandler(_handler)
     _log.setLevel(logging.INFO)
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+# The package's face: the names programs outside the package (the benchmarks, the tools, a
+# user's script) import, each from the module that defines it today. A module may move inside
+# the package; these names stay, so that a benchmark of one commit runs on another's package.
+FACE = {
+    "ATTENTION_BACKENDS": "engine",
+    "causal_attention": "step.dense_kv",
+    "default_model_path": "models.loader",
+    "DenseKVCache": "step.dense_kv",
+    "EngineConfig": "engine",
+    "extension": "kernels.extension",
+    "IncrementalDetokenizer": "models.tokenizer",
+    "KernelPlan": "kernels.cpu_kernels",
+    "linear": "kernels.cpu_kernels",
+    "linears": "kernels.cpu_kernels",
+    "LLM": "engine",
+    "LLMEngine": "engine",
+    "load": "models.loader",
+    "Model": "models.model",
+    "ModelConfig": "models.model",
+    "openblas_loaded": "kernels.blas",
+    "openblas_threads": "kernels.blas",
+    "PagedLayout": "step.batch",
+    "plans_for_gpu": "kernels.device",
+    "reference_extension": "kernels.extension",
+    "rehearsing_gpu": "kernels.device",
+    "RequestOutput": "step.request",
+    "SamplingParams": "sampling.sampler",
+    "ScheduledChunk": "step.batch",
+    "set_gpu_rehearsal": "kernels.device",
+    "split_blas": "kernels.cpu_kernels",
+    "StepBatch": "step.batch",
+    "stream_generate": "engine.generate",
+    "Tokenizer": "models.tokenizer",
+}
+__all__ = sorted(FACE)
 
 
 def __getattr__(name: str):
-    if name in ("LLM", "LLMEngine"):
-        from tiny_llm import engine
+    module = FACE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiny_llm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tiny_llm.{module}"), name)
 
-        return getattr(engine, name)
-    if name == "RequestOutput":
-        from tiny_llm.request import RequestOutput
 
-        return RequestOutput
-    if name == "SamplingParams":
-        from tiny_llm.sampling import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(f"module 'tiny_llm' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *FACE])

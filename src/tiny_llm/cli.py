@@ -24,7 +24,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.sampling.sampler import SamplingParams
 
 # Engine options as flags: (flag, option, type, help).
 ENGINE_FLAGS = [
@@ -177,7 +177,7 @@ def print_stats(engine, args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tiny_llm import server
+    from tiny_llm.serving import server
 
     options = dict(
         max_body_bytes=(server.DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None
@@ -203,7 +203,7 @@ def served_model_name(args: argparse.Namespace) -> str:
     model's file or folder name (never its path)."""
     from pathlib import Path
 
-    from tiny_llm.loader import DEFAULT_GGUF
+    from tiny_llm.models.loader import DEFAULT_GGUF
 
     if args.served_model_name:
         return args.served_model_name
@@ -284,7 +284,7 @@ def stream_reply(engine, history: list[dict[str, str]], params: SamplingParams) 
 
 
 def run_course(args: argparse.Namespace) -> int:
-    from tiny_llm import course
+    from tiny_llm.course import workspace as course
 
     if args.action == "start":
         for line in course.start(args.day):
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             return launch(args.mlx_launch_args)
         if args.learner:
             os.environ.setdefault("TINY_LLM_LEARNER", "1")  # before any day is imported
-            from tiny_llm import learner
+            from tiny_llm.course import learner
 
             print(f"tiny-llm: {learner.describe()}", file=sys.stderr)
         if args.command == "generate":

@@ -36,15 +36,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.request import RequestStatus
-from tiny_llm.step import (
+from tiny_llm.step.batch import (
     AttentionGeometry,
     DenseLayout,
     PagedLayout,
     ScheduledChunk,
     StepBatch,
 )
+from tiny_llm.step.dense_kv import DenseKVCache
+from tiny_llm.step.request import RequestStatus
 
 import mlx.core as mx
 
@@ -282,6 +282,9 @@ class DenseAttention:
     def state(self) -> list[mx.array]:
         caches = self.step.kv.caches  # the step's sequences: only their buffers changed
         return [a for c in caches for a in c.keys + c.values if a is not None]
+
+    def fused_decode(self) -> None:
+        return None  # the fused layers attend over pages
 # ANCHOR_END: dense_attention
 
 

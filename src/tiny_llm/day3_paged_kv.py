@@ -40,9 +40,9 @@ from typing import ClassVar
 
 from tiny_llm.day1_batching import BatchingSimulator, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
-from tiny_llm.kv_cache import causal_attention
-from tiny_llm.request import RequestStatus
-from tiny_llm.step import AttentionGeometry, PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.step.batch import AttentionGeometry, PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.step.dense_kv import causal_attention
+from tiny_llm.step.request import RequestStatus
 
 import mlx.core as mx
 import numpy as np
@@ -528,6 +528,9 @@ class GatherAttention:
 
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v
+
+    def fused_decode(self) -> None:
+        return None  # the fused layers run the kernels, not this gather
 # ANCHOR_END: gather_attention
 
 

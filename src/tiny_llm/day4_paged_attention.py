@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tiny_llm.day3_paged_kv import PagedKVSpace
-from tiny_llm.device import planned_device, rehearsing_gpu
-from tiny_llm.extension import extension
-from tiny_llm.step import AttentionGeometry, StepBatch
+from tiny_llm.kernels.cpu_kernels import FusedDecode
+from tiny_llm.kernels.device import planned_device, rehearsing_gpu
+from tiny_llm.kernels.extension import extension
+from tiny_llm.step.batch import AttentionGeometry, StepBatch
 
 import mlx.core as mx
 import numpy as np
@@ -233,6 +234,9 @@ class PageWalkAttention:
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v
 
+    def fused_decode(self) -> None:
+        return None  # the fused layers run the kernels, not this walk in MLX ops
+
 
 class VectorKernelAttention:
     """``attention="vector"``: the extension writes the pages in place and runs the vector
@@ -272,4 +276,8 @@ class VectorKernelAttention:
 
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v
+
+    def fused_decode(self) -> FusedDecode:
+        step = self.step
+        return FusedDecode(self.pool, step.kv.slot_mapping, step.kv.page_metadata, self.tiled)
 # ANCHOR_END: walk_backends

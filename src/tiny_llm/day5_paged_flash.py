@@ -31,8 +31,8 @@ from tiny_llm.day4_paged_attention import (
     PageWalkAttention,
     VectorKernelAttention,
 )
-from tiny_llm.extension import extension
-from tiny_llm.step import StepBatch
+from tiny_llm.kernels.extension import extension
+from tiny_llm.step.batch import StepBatch
 
 import mlx.core as mx
 import numpy as np

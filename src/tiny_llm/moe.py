@@ -31,8 +31,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from tiny_llm.cpu_kernels import KernelPlan
-from tiny_llm.device import plans_for_gpu
+from tiny_llm.kernels.cpu_kernels import KernelPlan
+from tiny_llm.kernels.device import plans_for_gpu
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler
-from tiny_llm.request import Request
-from tiny_llm.sampling import SamplingParams, filter_logits
-from tiny_llm.step import ScheduledChunk
+from tiny_llm.sampling.sampler import SamplingParams, filter_logits
+from tiny_llm.step.batch import ScheduledChunk
+from tiny_llm.step.request import Request
 
 import mlx.core as mx
 import numpy as np
@@ -309,7 +309,7 @@ def load_draft_model(target_model, target_tokenizer, draft) -> Any:
     """The draft model ``draft`` names (a path or hub id, loaded in the target's dtype, or a
     ``(Model, Tokenizer)`` pair), refused with a clear error unless it shares the target's
     tokenizer."""
-    from tiny_llm.loader import load
+    from tiny_llm.models.loader import load
 
     draft_model, draft_tokenizer = (load(draft, dtype=target_model.dtype)
                                     if isinstance(draft, str) else draft)

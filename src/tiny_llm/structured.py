@@ -180,3 +180,13 @@ class Constraint:
             self.matcher.rollback(self.consumed - consumed)
             self.consumed = consumed
 # ANCHOR_END: constraint
+
+
+# ANCHOR: constrained
+def constrained(row: np.ndarray, constraint: Constraint) -> np.ndarray:
+    """A float32 row of logits with every token its grammar does not allow next at -inf
+    (the grammar always allows something: at its end, the end tokens)."""
+    # TASK 9.2: constrained — Masking a row
+    return np.where(constraint.allowed(), np.asarray(row, dtype=np.float32), np.float32(-np.inf))
+    # END TASK
+# ANCHOR_END: constrained

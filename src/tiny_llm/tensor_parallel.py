@@ -76,9 +76,9 @@ from math import gcd
 from typing import Any
 
 from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, available_memory
-from tiny_llm.model import MLP, Model, ModelConfig
+from tiny_llm.models.model import MLP, Model, ModelConfig
 from tiny_llm.moe import SparseMoeBlock
-from tiny_llm.step import PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.step.batch import PagedLayout, ScheduledChunk, StepBatch
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -28,10 +28,10 @@ from typing import Any
 from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
 from tiny_llm.engine.runner import ModelRunner, interrupts_held
-from tiny_llm.request import Request
-from tiny_llm.sampling import TokenLogprob
+from tiny_llm.sampling.sampler import TokenLogprob
 from tiny_llm.speculative import SpeculativeDecoding, rewind
-from tiny_llm.step import ScheduledChunk, StepBatch
+from tiny_llm.step.batch import ScheduledChunk, StepBatch
+from tiny_llm.step.request import Request
 
 import mlx.core as mx
 

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from tiny_llm.cpu_kernels import check_int8_activations
 from tiny_llm.day1_batching import DenseSlots, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.day3_paged_kv import (
@@ -41,9 +40,10 @@ from tiny_llm.engine.core import EngineCore
 from tiny_llm.engine.inputs import InputProcessor, Prompt
 from tiny_llm.engine.outputs import OutputRouter, RequestStream
 from tiny_llm.engine.runner import KernelSettings, ModelRunner, ShardedModelRunner
-from tiny_llm.model import Model
-from tiny_llm.request import Request, RequestOutput
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.kernels.cpu_kernels import check_int8_activations
+from tiny_llm.models.model import Model
+from tiny_llm.models.tokenizer import Tokenizer
+from tiny_llm.sampling.sampler import SamplingParams
 from tiny_llm.speculative import (
     DraftModelProposer,
     NgramProposer,
@@ -52,7 +52,8 @@ from tiny_llm.speculative import (
     SpeculativeScheduler,
     load_draft_model,
 )
-from tiny_llm.step import AttentionBackend, AttentionGeometry
+from tiny_llm.step.batch import AttentionBackend, AttentionGeometry
+from tiny_llm.step.request import Request, RequestOutput
 from tiny_llm.tensor_parallel import (
     Workers,
     check_worker_pool,
@@ -61,7 +62,6 @@ from tiny_llm.tensor_parallel import (
     shard_model,
     sharded_group,
 )
-from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
 
@@ -107,7 +107,7 @@ class LLMEngine:
         """Load ``model`` (``loader.load``: ``dtype`` "auto" is float32 on the CPU and the
         checkpoint's own dtype on a GPU; ``dequantize=False`` keeps quantized weights as
         stored) and build an engine over it."""
-        from tiny_llm.loader import load, parse_dtype
+        from tiny_llm.models.loader import load, parse_dtype
 
         parse_dtype(dtype)  # reject bad options before loading weights
         cfg = EngineConfig.from_options(options)

@@ -15,7 +15,7 @@ import weakref
 from collections import deque
 from typing import Protocol
 
-from tiny_llm.request import Request, RequestOutput
+from tiny_llm.step.request import Request, RequestOutput
 
 
 class OutputRouter:

@@ -19,12 +19,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tiny_llm.cpu_kernels import FusedDecode, KernelPlan, kernels_available
-from tiny_llm.day4_paged_attention import VectorKernelAttention
-from tiny_llm.model import Model
-from tiny_llm.request import Request
-from tiny_llm.sampling import TokenLogprob, sample_next_tokens
-from tiny_llm.step import AttentionBackend, DenseLayout, PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.kernels.cpu_kernels import KernelPlan, kernels_available
+from tiny_llm.models.model import Model
+from tiny_llm.sampling.sampler import TokenLogprob, sample_next_tokens
+from tiny_llm.step.batch import (
+    AttentionBackend,
+    DenseLayout,
+    PagedLayout,
+    ScheduledChunk,
+    StepBatch,
+)
+from tiny_llm.step.request import Request
 from tiny_llm.tensor_parallel import Workers
 
 import mlx.core as mx
@@ -138,14 +143,13 @@ class ModelRunner:
     # ANCHOR: runner_kernel_plan
     def kernel_plan(self, batch: StepBatch) -> KernelPlan | None:
         """How this step's forward takes the extension's CPU kernels (None: MLX's ops
-        alone). A decode-only step whose attention is one of the extension's kernels
-        (which attend over its pool) also runs its dense layers fused."""
-        k, attention = self.kernels, self.attention
+        alone). A decode-only step whose attention backend offers its pool to the fused
+        decoder layers (the extension's kernels: they attend as the backend would) also runs
+        its dense layers fused."""
+        k = self.kernels
         if not (k.cpu_kernels and kernels_available()):  # the device may change: asked per step
             return None
-        fused = None
-        if k.fused_layers and batch.decode_only and isinstance(attention, VectorKernelAttention):
-            fused = FusedDecode(attention.pool, batch.kv, attention.tiled)
+        fused = self.attention.fused_decode() if k.fused_layers and batch.decode_only else None
         return KernelPlan(batch.decode_rows, k.int8_activations, fused)
     # ANCHOR_END: runner_kernel_plan
 

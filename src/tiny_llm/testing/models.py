@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tiny_llm.model import Model, ModelConfig
+from tiny_llm.models.model import Model, ModelConfig
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiny_llm.kv_cache import causal_attention
+from tiny_llm.step.dense_kv import causal_attention
 
 import mlx.core as mx
 import numpy as np

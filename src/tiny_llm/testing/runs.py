@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tiny_llm.generate import stream_generate
-from tiny_llm.sampling import SamplingParams
+from tiny_llm.engine.generate import stream_generate
+from tiny_llm.sampling.sampler import SamplingParams
 
 import mlx.core as mx
 

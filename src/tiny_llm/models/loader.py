@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tiny_llm.device import plans_for_gpu
-from tiny_llm.model import Model, ModelConfig
-from tiny_llm.tokenizer import Tokenizer
+from tiny_llm.kernels.device import plans_for_gpu
+from tiny_llm.models.model import Model, ModelConfig
+from tiny_llm.models.tokenizer import Tokenizer
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,7 +53,7 @@ def default_model_path() -> Path:
 
 
 def on_cpu() -> bool:
-    """Whether the model is loaded for the CPU (``tiny_llm.device``: not in the GPU
+    """Whether the model is loaded for the CPU (``tiny_llm.kernels.device``: not in the GPU
     rehearsal)."""
     return not plans_for_gpu()
 

@@ -53,14 +53,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tiny_llm import tool_calls
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
-from tiny_llm.request import RequestOutput
-from tiny_llm.sampling import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams, TokenLogprob
+from tiny_llm.models.tokenizer import IncrementalDetokenizer, check_text, strings_in
+from tiny_llm.sampling import tool_calls
+from tiny_llm.sampling.sampler import (
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
+    InvalidParam,
+    SamplingParams,
+    TokenLogprob,
+)
+from tiny_llm.sampling.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
+from tiny_llm.step.request import RequestOutput
 from tiny_llm.structured import KINDS, GrammarError, StructuredOutput
 from tiny_llm.tensor_parallel import TensorParallelError
-from tiny_llm.tokenizer import IncrementalDetokenizer, check_text, strings_in
-from tiny_llm.tool_calls import JsonToolCallParser, ToolCall, ToolCallParser, ToolChoice
 
 log = logging.getLogger("tiny_llm")
 

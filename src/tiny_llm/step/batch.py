@@ -11,7 +11,7 @@ once, and everything downstream reads that one object:
 - ``decode_rows``: how many leading sequences are one row that samples (decodes, which
   every scheduler places first), so the first ``decode_rows`` rows of the batch and of
   the logits are theirs: the linear layers send them through the extension's decode
-  matmul (``tiny_llm/cpu_kernels.py``);
+  matmul (``tiny_llm/kernels/cpu_kernels.py``);
 - ``logit_rows``: the last row of every sequence whose chunk reaches its end (those sample);
   with speculative decoding, a request verifying ``k`` drafted tokens has ``k + 1`` rows
   there (``num_logits``); after them, the rows whose logits score a prompt's next token
@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from tiny_llm.device import planned_device
+from tiny_llm.kernels.cpu_kernels import FusedDecode
+from tiny_llm.kernels.device import planned_device
 
 import mlx.core as mx
 
@@ -187,5 +188,10 @@ class AttentionBackend(Protocol):
 
     def state(self) -> list[mx.array]:
         """The arrays a step writes, evaluated together with the logits."""
+        ...
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The step's pool and rows, if the fused decoder layers may attend in this
+        backend's place (they run the extension's kernels over its pool); else None."""
         ...
 # ANCHOR_END: attention_backend

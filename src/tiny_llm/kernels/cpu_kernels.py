@@ -72,10 +72,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tiny_llm.blas import openblas_threads
-from tiny_llm.device import plans_for_gpu
-from tiny_llm.extension import reference_extension
-from tiny_llm.step import PagedLayout
+from tiny_llm.kernels.blas import openblas_threads
+from tiny_llm.kernels.device import plans_for_gpu
+from tiny_llm.kernels.extension import reference_extension
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,11 +83,13 @@ import mlx.nn as nn
 # ANCHOR: kernel_plan
 @dataclass(frozen=True)
 class FusedDecode:
-    """What the fused decoder layers need of a decode-only step (``cpu_fused.py``): the page
-    pool they write and the step's layout."""
+    """What the fused decoder layers need of a decode-only step (``cpu_fused.py``), offered
+    by the attention backend whose kernels they run (its ``fused_decode``): the page pool
+    they write, the step's rows in it, and the backend's schedule."""
 
     pool: Any  # Day 3's PagePool (per-layer ``k`` and ``v`` lists), written in place
-    layout: PagedLayout  # slot mapping and the block-table interface's arrays
+    slot_mapping: mx.array  # int32 [T]: the pool row of every new token
+    page_metadata: tuple[mx.array, mx.array, mx.array]  # the block-table interface's arrays
     tiled: bool  # the attention backend's schedule (Day 5's tiles or Day 4's vectors)
 
 

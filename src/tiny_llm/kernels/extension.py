@@ -19,7 +19,7 @@ import importlib
 import warnings
 from types import ModuleType
 
-from tiny_llm import learner
+from tiny_llm.course import learner
 
 REFERENCE = "tiny_llm._native._ext"
 

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.cpu_fused import fused_decoder_layers
-from tiny_llm.cpu_kernels import (
+from tiny_llm.kernels.cpu_fused import fused_decoder_layers
+from tiny_llm.kernels.cpu_kernels import (
     Embedding,
     KernelPlan,
     Linear,

@@ -46,14 +46,14 @@ from __future__ import annotations
 import operator
 from typing import Any, NamedTuple
 
-from tiny_llm.cpu_kernels import (
+from tiny_llm.kernels.cpu_kernels import (
     KernelPlan,
     Linear,
     QuantizedLinear,
     kernel_reads_scales,
     kernels_on,
 )
-from tiny_llm.extension import extension, reference_extension
+from tiny_llm.kernels.extension import extension, reference_extension
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -106,8 +106,8 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
         return None
     if positions.dtype != mx.int32:
         positions = positions.astype(mx.int32)
-    ext, layout = reference_extension(), fused.layout
-    step_rows = (layout.slot_mapping, *layout.page_metadata)  # every run's
+    ext = reference_extension()
+    step_rows = (fused.slot_mapping, *fused.page_metadata)  # every run's
     global fused_layers_run
     first = 0
     while first < len(blocks):

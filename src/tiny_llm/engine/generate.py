@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tiny_llm.kv_cache import DenseKVCache
-from tiny_llm.model import Model
-from tiny_llm.request import Request, RequestOutput
-from tiny_llm.sampling import SamplingParams, sample_next_tokens
+from tiny_llm.models.model import Model
+from tiny_llm.models.tokenizer import Tokenizer
+from tiny_llm.sampling.sampler import SamplingParams, sample_next_tokens
+from tiny_llm.step.dense_kv import DenseKVCache
+from tiny_llm.step.request import Request, RequestOutput
 from tiny_llm.structured import Grammars
-from tiny_llm.tokenizer import Tokenizer
 
 import mlx.core as mx
 

@@ -53,8 +53,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from tiny_llm.structured import Constraint, StructuredOutput
-from tiny_llm.tokenizer import check_text
+from tiny_llm.models.tokenizer import check_text
+from tiny_llm.structured import Constraint, StructuredOutput, constrained
 
 import mlx.core as mx
 import numpy as np
@@ -308,16 +308,6 @@ def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
         best = ids[np.lexsort((ids, -x[ids]))][:k]  # ties by ascending id
     return TokenLogprob(token, float(x[token] - log_norm),
                         tuple((int(t), float(x[t] - log_norm)) for t in best))
-
-
-# ANCHOR: constrained
-def constrained(row: np.ndarray, constraint: Constraint) -> np.ndarray:
-    """A float32 row of logits with every token its grammar does not allow next at -inf
-    (the grammar always allows something: at its end, the end tokens)."""
-    # TASK 9.2: constrained — Masking a row
-    return np.where(constraint.allowed(), np.asarray(row, dtype=np.float32), np.float32(-np.inf))
-    # END TASK
-# ANCHOR_END: constrained
 
 
 # ANCHOR: penalize

@@ -19,9 +19,9 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tiny_llm.sampling import RequestSampler, SamplingParams, TokenHistory, TokenLogprob
+from tiny_llm.models.tokenizer import IncrementalDetokenizer
+from tiny_llm.sampling.sampler import RequestSampler, SamplingParams, TokenHistory, TokenLogprob
 from tiny_llm.structured import Constraint
-from tiny_llm.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(Enum):

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 ENV = "TINY_LLM_LEARNER"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/tiny_llm
 # The repository holding this package (an editable install: src/tiny_llm), if any.
 REPO_DIR = PACKAGE_DIR.parents[1] if (PACKAGE_DIR.parents[1] / "pyproject.toml").exists() else None
 

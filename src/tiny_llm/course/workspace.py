@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tiny_llm import learner
-from tiny_llm.course_tasks import (
+from tiny_llm.course import learner
+from tiny_llm.course.tasks import (
     BOOK,
     CHAPTERS,
     EXTENSIONS,

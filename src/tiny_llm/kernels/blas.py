@@ -25,7 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
-SHIM_PATH = Path(__file__).parent / "_native" / "libcblas_shim.so"
+SHIM_PATH = Path(__file__).parents[1] / "_native" / "libcblas_shim.so"
 
 _state: dict[str, bool] = {}
 

@@ -1,0 +1,3 @@
+"""The model families, their loader (Hugging Face folders, GGUF), the tokenizer and its chat
+templates, the incremental detokenizer. Below the chapters that serve them.
+"""

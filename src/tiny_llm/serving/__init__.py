@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server, split by job, calling the engine's public API.
+"""
