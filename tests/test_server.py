@@ -31,7 +31,10 @@ from pathlib import Path
 from tiny_llm.engine import LLMEngine
 from tiny_llm.engine.generate import stream_generate
 from tiny_llm.sampling.sampler import SamplingParams
-from tiny_llm.serving.server import APIError, CompletionShape, Server, uvicorn_config
+from tiny_llm.serving.app import uvicorn_config
+from tiny_llm.serving.handlers import Server
+from tiny_llm.serving.protocol import APIError
+from tiny_llm.serving.responses import CompletionShape
 from tiny_llm.testing.runs import served_alone
 
 import openai
@@ -556,7 +559,7 @@ def asking(name: str, chat: bool) -> object:
 
 
 def test_every_field_is_honoured_or_refused_never_ignored(served, client):
-    from tiny_llm.serving import server as api
+    from tiny_llm.serving import protocol as api
 
     url, server = served
     for chat in (True, False):
@@ -758,7 +761,7 @@ def test_completions_logprobs_are_aligned_with_the_text(served):
 
 def test_the_serving_chapters_table_lists_every_field():
     """The book's table of fields (serving.md) names exactly the server's sets."""
-    from tiny_llm.serving import server as api
+    from tiny_llm.serving import protocol as api
 
     table = (ROOT / "book" / "src" / "serving.md").read_text().split("| field |")[1]
     named = set(re.findall(r"`(\w+)`", table.split("\n\n")[0]))
@@ -937,7 +940,7 @@ SERVE_SCRIPT = textwrap.dedent("""
     import mlx.core as mx
     from tiny_llm.engine import LLMEngine
     from tiny_llm.models.loader import default_model_path
-    from tiny_llm.serving.server import serve
+    from tiny_llm.serving.app import serve
     from tiny_llm.testing.models import make_tiny_model
     from tiny_llm.models.tokenizer import Tokenizer
 

@@ -366,7 +366,7 @@ SERVE_TINY_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.serving.server import serve
+    from tiny_llm.serving.app import serve
     engine = LLMEngine(t.make_tiny_model(**t.TINY), t.tokenizer(), tensor_parallel_size=2,
                        num_pages=64)
     serve(engine, "tiny", port=int(sys.argv[2]), shutdown_timeout=1.0)

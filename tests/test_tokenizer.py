@@ -447,7 +447,7 @@ def test_a_byte_fallback_piece_stands_for_its_byte(tok: Tokenizer, monkeypatch):
 
 def test_logprob_records_carry_each_tokens_own_bytes(tok: Tokenizer):
     from tiny_llm.sampling.sampler import TokenLogprob
-    from tiny_llm.serving.server import ChatShape, Spelling
+    from tiny_llm.serving.responses import ChatShape, Spelling
 
     ids = tok.encode("🦀!", add_special_tokens=False)
     spelling = Spelling(lambda t: tok.decode([t]), tok.token_bytes)

@@ -157,7 +157,7 @@ def test_the_format_is_read_from_the_template():
 
 
 def test_a_model_whose_format_is_unknown_is_refused_tools():
-    from tiny_llm.serving.server import APIError, parse_request
+    from tiny_llm.serving.protocol import APIError, parse_request
 
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
     with pytest.raises(APIError, match="tool-call format") as refused:
@@ -172,7 +172,7 @@ def test_a_model_whose_format_is_unknown_is_refused_tools():
 def test_a_request_read_for_calls_keeps_special_tokens_in_its_text():
     """A format's tags may be special tokens (Llama's <|python_tag|>): the parser must see
     them, so a request whose output is read for calls keeps them unless it says otherwise."""
-    from tiny_llm.serving.server import parse_request
+    from tiny_llm.serving.protocol import parse_request
 
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert parse_request(body, True, "m").params.skip_special_tokens
@@ -329,7 +329,7 @@ def test_a_strict_tools_calls_are_calls_only_when_their_arguments_validate():
 
 def plain():
     """Token ids spelled as their numbers: the shapes' tests read no logprobs."""
-    from tiny_llm.serving.server import Spelling
+    from tiny_llm.serving.responses import Spelling
 
     return Spelling(str, lambda token: str(token).encode())
 
@@ -341,7 +341,8 @@ def test_a_streamed_choice_ends_as_the_whole_one_does(fmt, text, max_calls, reas
     """The server's two shapes of one output: the same calls and the same finish reason
     ("tool_calls" where the model stopped after its calls, or the server at the last call
     allowed)."""
-    from tiny_llm.serving.server import ChatShape, ToolUse
+    from tiny_llm.serving.protocol import ToolUse
+    from tiny_llm.serving.responses import ChatShape
 
     use = ToolUse(check_tools(TOOLS), True, None, max_calls)
     whole = ChatShape("r", "m", plain(), use, fmt).choice(0, text, reason, None)
@@ -360,7 +361,8 @@ def test_a_call_cut_off_under_a_required_choice_is_not_content(fmt):
     """Under tool_choice required (or named) the grammar writes calls only: a call that
     max_tokens cut off is dropped, not returned as markup in the content, streamed or
     whole; the finish reason says the output was cut."""
-    from tiny_llm.serving.server import ChatShape, ToolUse
+    from tiny_llm.serving.protocol import ToolUse
+    from tiny_llm.serving.responses import ChatShape
 
     if fmt == "hermes":
         done = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
@@ -387,7 +389,7 @@ def test_under_auto_a_strict_tools_calls_are_held_to_its_schema_as_they_are_writ
     model opens a block, the call must name an offered tool and a strict tool's arguments
     must fit its schema (another tool's: any object). Random walks from an opened block
     end in valid calls."""
-    from tiny_llm.serving.server import parse_request
+    from tiny_llm.serving.protocol import parse_request
 
     import jsonschema
 

@@ -1,5 +1,5 @@
 """``tiny-llm chat``, ``generate``, ``serve`` and ``course``: the engine and the course from
-a terminal. ``serve`` runs an OpenAI-compatible HTTP server (``server.py``); ``launch``
+a terminal. ``serve`` runs an OpenAI-compatible HTTP server (``serving/``); ``launch``
 starts the ranks of a tensor-parallel run (``tensor_parallel.launch``).
 
 Both ``chat`` and ``generate`` run the serving engine (``LLMEngine``); every engine option
@@ -177,22 +177,22 @@ def print_stats(engine, args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tiny_llm.serving import server
+    from tiny_llm.serving import app, handlers
 
     options = dict(
-        max_body_bytes=(server.DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None
+        max_body_bytes=(handlers.DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None
                         else args.max_body_bytes),
-        api_key=args.api_key if args.api_key is not None else os.environ.get(server.API_KEY_ENV),
+        api_key=args.api_key if args.api_key is not None else os.environ.get(handlers.API_KEY_ENV),
         key_for_all=args.api_key_for_all,
-        shutdown_timeout=(server.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
+        shutdown_timeout=(handlers.DEFAULT_SHUTDOWN_TIMEOUT if args.shutdown_timeout is None
                           else args.shutdown_timeout),
-        header_timeout=(server.DEFAULT_HEADER_TIMEOUT if args.header_timeout is None
+        header_timeout=(handlers.DEFAULT_HEADER_TIMEOUT if args.header_timeout is None
                         else args.header_timeout),
-        body_timeout=(server.DEFAULT_BODY_TIMEOUT if args.body_timeout is None
+        body_timeout=(handlers.DEFAULT_BODY_TIMEOUT if args.body_timeout is None
                       else args.body_timeout))
-    server.check_options(args.max_waiting, **options)  # before the (slow) model load
+    handlers.check_options(args.max_waiting, **options)  # before the (slow) model load
     engine = load_engine(args)
-    server.serve(engine, served_model_name(args), host=args.host, port=args.port,
+    app.serve(engine, served_model_name(args), host=args.host, port=args.port,
                  max_waiting=args.max_waiting, **options)
     print_stats(engine, args)
     return 0
