@@ -306,7 +306,7 @@ def test_a_decode_step_sends_its_decode_rows_through_the_kernel(kernel_calls, ti
 def test_the_engine_option_turns_the_kernels_on_and_off(kernel_calls, tiny_model,
                                                         smollm_tokenizer, cpu_kernels):
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.sampling.sampler import SamplingParams
+    from tiny_llm.sampling.params import SamplingParams
 
     engine = LLMEngine(tiny_model, smollm_tokenizer, cpu_kernels=cpu_kernels, num_pages=16)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -543,7 +543,7 @@ def test_a_model_built_on_one_thread_serves_on_another(smollm_tokenizer):
     import threading
 
     from tiny_llm.engine import LLMEngine
-    from tiny_llm.sampling.sampler import SamplingParams
+    from tiny_llm.sampling.params import SamplingParams
     from tiny_llm.testing.models import make_tiny_model
 
     engine = LLMEngine(make_tiny_model(), smollm_tokenizer, num_pages=16)

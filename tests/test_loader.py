@@ -24,7 +24,7 @@ from tiny_llm.models.loader import (
     unpermute_rows,
 )
 from tiny_llm.models.model import Model, ModelConfig
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.models import mlx_lm_model, mlx_lm_twin, random_weights
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from tiny_llm.engine import LLM, LLMEngine
 from tiny_llm.kernels.device import rehearsing_gpu
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone
 
 import pytest

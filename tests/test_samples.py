@@ -11,7 +11,7 @@ the samples run, and every page free at the end.
 from __future__ import annotations
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.testing.runs import served_alone
 
 import pytest

@@ -4,9 +4,9 @@ invariance, sampled frequencies (chi-square) and greedy argmax."""
 import dataclasses
 import math
 
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import (
     RequestSampler,
-    SamplingParams,
     TokenHistory,
     filter_logits,
     penalize,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
 from tiny_llm.engine.generate import stream_generate
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.serving.app import uvicorn_config
 from tiny_llm.serving.handlers import Server
 from tiny_llm.serving.protocol import APIError

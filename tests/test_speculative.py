@@ -12,7 +12,7 @@ import random
 
 from tiny_llm.day3_paged_kv import BlockManager, BlockSpace
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import NgramProposer, distribution, rewind, speculative_accept
 from tiny_llm.structured import StructuredOutput
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model

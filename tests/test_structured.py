@@ -12,7 +12,8 @@ import json
 import re
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams, token_logprob
+from tiny_llm.sampling.params import SamplingParams
+from tiny_llm.sampling.sampler import token_logprob
 from tiny_llm.structured import GrammarError, StructuredOutput
 from tiny_llm.testing.runs import served_alone
 

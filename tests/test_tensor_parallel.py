@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tiny_llm.engine import LLMEngine
 from tiny_llm.models.model import Attention
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
 from tiny_llm.testing.ranks import LocalRanks, free_ports, launched_ranks

@@ -24,7 +24,7 @@ from tiny_llm.day1_batching import (
     static_batching_steps,
 )
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.step.batch import DenseLayout
 from tiny_llm.step.request import RequestStatus
 from tiny_llm.testing.runs import greedy, random_prompts, served_alone

@@ -10,7 +10,7 @@ import random
 from tiny_llm.day1_batching import StepBudget
 from tiny_llm.day2_chunked_prefill import TokenBudget
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.testing.runs import RecordingModel
 

@@ -10,7 +10,7 @@ from tiny_llm.day3_paged_kv import (
     kv_cache_blocks_fragmentation,
 )
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.testing.runs import greedy, tokens_of, workload
 
 import pytest

@@ -52,7 +52,7 @@ FACE = {
     "reference_extension": "kernels.extension",
     "rehearsing_gpu": "kernels.device",
     "RequestOutput": "step.request",
-    "SamplingParams": "sampling.sampler",
+    "SamplingParams": "sampling.params",
     "ScheduledChunk": "step.batch",
     "set_gpu_rehearsal": "kernels.device",
     "split_blas": "kernels.cpu_kernels",

@@ -24,7 +24,7 @@ import time
 from dataclasses import fields
 from typing import Any
 
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 
 # Engine options as flags: (flag, option, type, help).
 ENGINE_FLAGS = [

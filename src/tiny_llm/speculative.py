@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler
-from tiny_llm.sampling.sampler import SamplingParams, filter_logits
+from tiny_llm.sampling.params import SamplingParams
+from tiny_llm.sampling.sampler import filter_logits
 from tiny_llm.step.batch import ScheduledChunk
 from tiny_llm.step.request import Request
 

@@ -10,7 +10,7 @@ from tiny_llm.day1_batching import POLICIES, DenseAttention
 from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, GatherAttention
 from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
-from tiny_llm.sampling.sampler import LOGPROBS_MODES
+from tiny_llm.sampling.params import LOGPROBS_MODES
 from tiny_llm.speculative import SPECULATIVE
 
 import numpy as np

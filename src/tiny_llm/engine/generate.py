@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 from tiny_llm.models.model import Model
 from tiny_llm.models.tokenizer import Tokenizer
-from tiny_llm.sampling.sampler import SamplingParams, sample_next_tokens
+from tiny_llm.sampling.params import SamplingParams
+from tiny_llm.sampling.sampler import sample_next_tokens
 from tiny_llm.step.dense_kv import DenseKVCache
 from tiny_llm.step.request import Request, RequestOutput
 from tiny_llm.structured import Grammars

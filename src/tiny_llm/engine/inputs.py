@@ -14,7 +14,7 @@ from typing import Any
 
 from tiny_llm.engine.config import EngineConfig
 from tiny_llm.models.tokenizer import Tokenizer, check_text, strings_in
-from tiny_llm.sampling.sampler import InvalidParam, SamplingParams
+from tiny_llm.sampling.params import InvalidParam, SamplingParams
 from tiny_llm.sampling.tool_calls import check_tool_message, check_tools, template_messages
 from tiny_llm.step.request import Request
 from tiny_llm.structured import Grammars

@@ -43,7 +43,7 @@ from tiny_llm.engine.runner import KernelSettings, ModelRunner, ShardedModelRunn
 from tiny_llm.kernels.cpu_kernels import check_int8_activations
 from tiny_llm.models.model import Model
 from tiny_llm.models.tokenizer import Tokenizer
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import (
     DraftModelProposer,
     NgramProposer,

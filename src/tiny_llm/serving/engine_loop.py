@@ -16,9 +16,7 @@ import uuid
 from typing import Any
 
 from tiny_llm.engine import LLMEngine
-from tiny_llm.sampling.sampler import (
-    SamplingParams,
-)
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.serving.protocol import APIError
 from tiny_llm.step.request import RequestOutput
 from tiny_llm.tensor_parallel import TensorParallelError

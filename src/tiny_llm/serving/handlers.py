@@ -20,10 +20,7 @@ from typing import Any
 from tiny_llm.engine import LLMEngine
 from tiny_llm.models.tokenizer import IncrementalDetokenizer
 from tiny_llm.sampling import tool_calls
-from tiny_llm.sampling.sampler import (
-    InvalidParam,
-    SamplingParams,
-)
+from tiny_llm.sampling.params import InvalidParam, SamplingParams
 from tiny_llm.serving.engine_loop import EngineLoop
 from tiny_llm.serving.metrics import Metrics, Timeline
 from tiny_llm.serving.protocol import (

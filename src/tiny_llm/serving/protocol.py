@@ -16,12 +16,7 @@ from typing import Any, NamedTuple
 from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
 from tiny_llm.models.tokenizer import check_text, strings_in
 from tiny_llm.sampling import tool_calls
-from tiny_llm.sampling.sampler import (
-    MAX_LOGPROBS,
-    MAX_SAMPLES,
-    InvalidParam,
-    SamplingParams,
-)
+from tiny_llm.sampling.params import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams
 from tiny_llm.sampling.tool_calls import ToolChoice
 from tiny_llm.structured import KINDS, StructuredOutput
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tiny_llm.models.tokenizer import IncrementalDetokenizer
-from tiny_llm.sampling.sampler import RequestSampler, SamplingParams, TokenHistory, TokenLogprob
+from tiny_llm.sampling.params import SamplingParams
+from tiny_llm.sampling.sampler import RequestSampler, TokenHistory, TokenLogprob
 from tiny_llm.structured import Constraint
 
 

@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from tiny_llm.engine.generate import stream_generate
-from tiny_llm.sampling.sampler import SamplingParams
+from tiny_llm.sampling.params import SamplingParams
 
 import mlx.core as mx
 
