@@ -120,7 +120,7 @@ def time_all_reduces(group, rows: int, hidden: int, layers: int, repeats: int = 
 def run_ours(size: int, quick: bool, steps: int, fused: bool = True) -> dict | None:
     """One rank of our engine: rank 0 returns what it measured; a worker never returns."""
     from tiny_llm import LLMEngine, SamplingParams, reference_extension
-    from tiny_llm.tensor_parallel import join
+    from tiny_llm.distributed.ring import join
 
     reference_extension().set_num_threads(1)
     model, tokenizer = build(quick)

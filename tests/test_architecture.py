@@ -33,6 +33,7 @@ LAYERS = [
     "day5_paged_flash",
     "speculative",  # chapter
     "tensor_parallel",  # chapter
+    "distributed",
     "engine",
     "serving",
     "cli",

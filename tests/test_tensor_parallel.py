@@ -150,7 +150,7 @@ def test_rank_0_trusts_only_a_worker_that_names_itself_with_the_token():
     import socket
     import struct
 
-    from tiny_llm.tensor_parallel import Channel, _hello
+    from tiny_llm.distributed.ring import Channel, _hello
 
     def greet(payload: bytes | dict) -> int | None:
         with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -651,7 +651,7 @@ SMALL_WORKER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
     import tiny_llm.day3_paged_kv as paged
-    import tiny_llm.tensor_parallel as tp
+    import tiny_llm.distributed.workers as tp
     from tiny_llm.engine import LLMEngine
     from tiny_llm.tensor_parallel import TensorParallelError
     if os.environ["MLX_RANK"] == "1":

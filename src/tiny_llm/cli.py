@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "course":
             return run_course(args)
         if args.command == "launch":
-            from tiny_llm.tensor_parallel import launch
+            from tiny_llm.distributed.workers import launch
 
             return launch(args.mlx_launch_args)
         if args.learner:

@@ -35,6 +35,8 @@ from tiny_llm.day3_paged_kv import (
     pool_pages,
 )
 from tiny_llm.day5_paged_flash import FlashAttention
+from tiny_llm.distributed.ring import join
+from tiny_llm.distributed.workers import Workers, check_worker_pool, serve_as_worker
 from tiny_llm.engine.config import ATTENTION_BACKENDS, EngineConfig
 from tiny_llm.engine.core import EngineCore
 from tiny_llm.engine.inputs import InputProcessor, Prompt
@@ -54,14 +56,7 @@ from tiny_llm.speculative import (
 )
 from tiny_llm.step.batch import AttentionBackend, AttentionGeometry
 from tiny_llm.step.request import Request, RequestOutput
-from tiny_llm.tensor_parallel import (
-    Workers,
-    check_worker_pool,
-    join,
-    serve_as_worker,
-    shard_model,
-    sharded_group,
-)
+from tiny_llm.tensor_parallel import shard_model, sharded_group
 
 import mlx.core as mx
 

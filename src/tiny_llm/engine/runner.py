@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from tiny_llm.distributed.workers import Workers
 from tiny_llm.kernels.cpu_kernels import KernelPlan, kernels_available
 from tiny_llm.models.model import Model
 from tiny_llm.sampling.sampler import TokenLogprob, sample_next_tokens
@@ -30,7 +31,6 @@ from tiny_llm.step.batch import (
     StepBatch,
 )
 from tiny_llm.step.request import Request
-from tiny_llm.tensor_parallel import Workers
 
 import mlx.core as mx
 import numpy as np
