@@ -4,10 +4,12 @@ must not slow down, and must not change a token of.
 A refactor of the core (the step, the model runner, the step metadata, page bookkeeping)
 promises the same tokens at the same speed. This script checks both, in one run: the
 working tree's ``src`` (``HEAD``, or uncommitted changes) and a base commit's, checked out
-into a temporary git worktree, each served by this file's workload code in a process of its
-own, the two alternating in every round (the order rotated; ``--rounds``, default 3;
-medians). Each tree runs its own extension: the base shares the working tree's build where
-its ``src/extensions`` is the same, and is built on its own otherwise.
+into a temporary git worktree, each in a process of its own that imports the tree's own
+benchmarks for the workloads (so each imports its own package's names; the two trees'
+workloads must be the same, token for token, or the run stops), the two alternating in
+every round (the order rotated; ``--rounds``, default 3; medians). Each tree runs its own
+extension: the base shares the working tree's build where its ``src/extensions`` is the
+same, and is built on its own otherwise.
 
 Workloads (SmolLM2-135M-Instruct, float32, on the CPU):
 
@@ -24,6 +26,7 @@ and whether every request's greedy tokens are the base's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -35,7 +38,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, Table, bench_parser, save_results
+BENCHES_ENV = "TINY_LLM_BENCHES"
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.path[0] = os.environ[BENCHES_ENV]  # the tree's own benchmarks, and its common
+
+from common import REPO_ROOT, Table, bench_parser, save_results  # noqa: E402
 
 NAME = "bench_before_after"
 W32 = "W32 (default engine)"
@@ -44,7 +51,8 @@ FORMER_NAMES = {"page_walk": "reference", "tiled_walk": "flash_reference"}
 
 
 def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
-    """Every request added at t=0, stepped to the end; wall time and each request's tokens."""
+    """Every request added at t=0, stepped to the end; wall time, each request's tokens, and
+    the workload's digest."""
     from common import greedy
 
     ids = [engine.add_request({"prompt_token_ids": p}, greedy(n))
@@ -56,12 +64,14 @@ def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
             tokens[out.request_id] += out.new_token_ids
     seconds = time.perf_counter() - start
     generated = sum(map(len, tokens.values()))
+    workload = hashlib.sha256(json.dumps([prompts, outputs]).encode()).hexdigest()
     return dict(seconds=seconds, tok_per_s=generated / seconds,
-                tokens=[tokens[i] for i in ids])
+                tokens=[tokens[i] for i in ids], workload=workload)
 
 
 def worker() -> None:
-    """Serve every workload on the ``tiny_llm`` that PYTHONPATH names; print JSON."""
+    """Serve every workload on the ``tiny_llm`` that PYTHONPATH names, with the workloads of
+    the benchmarks ``TINY_LLM_BENCHES`` names; print JSON."""
     import tiny_llm
     from tiny_llm import ATTENTION_BACKENDS, LLMEngine
     from tiny_llm.day3_paged_kv import blocks_needed
@@ -90,7 +100,8 @@ def worker() -> None:
 
 
 def run_tree(src: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0"}
+    env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0",
+           BENCHES_ENV: str(src.parent / "benches")}
     out = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True,
                          stdout=subprocess.PIPE, text=True).stdout  # stderr: the console
     result = json.loads(out.strip().splitlines()[-1])
@@ -146,6 +157,10 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")],
                            cwd=REPO_ROOT, check=False, capture_output=True)
     labels = [k for k in rounds["after"][0] if k != "src"]
+    for label in labels:
+        if rounds["after"][0][label]["workload"] != rounds["before"][0].get(label, {}).get(
+                "workload"):
+            raise SystemExit(f"{label}: the two trees' benchmarks serve different workloads")
     rows, data = [], {}
     for label in labels:
         tps = {side: statistics.median(rnd[label]["tok_per_s"] for rnd in rounds[side])

@@ -22,7 +22,7 @@ Measurements, each comparing its configurations side by side in one run:
    tokens computed, and output tok/s on the engine's own clock (the engines are stepped
    round-robin in one loop; an engine's time is the sum of its own step times).
    (1b) runs a full-size workload through the engine's own schedulers and block manager
-   with fake tokens (``BatchingSimulator``, ``ContinuousBatchingScheduler``): exact
+   with fake tokens (``BatchingSimulator``, ``PagedBatchingSimulator``): exact
    concurrency, tokens held and preemptions, with no model.
 2. **Latency at equal batch**: a dense engine and a paged engine with Day 3's gather
    (``attention="gather"``, pages never short, prefix caching off) serve the same ``b``
@@ -61,16 +61,15 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from tiny_llm import LLMEngine, Model, PagedLayout, StepBatch, causal_attention
+from tiny_llm import LLMEngine, Model, PagedLayout, StepBatch, causal_attention, kv_bytes_per_token
 from tiny_llm.day1_batching import BatchingSimulator, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
 from tiny_llm.day3_paged_kv import (
     BlockManager,
-    ContinuousBatchingScheduler,
     GatherAttention,
+    PagedBatchingSimulator,
     PagedKVSpace,
     PagePool,
-    kv_bytes_per_token,
     kv_cache_blocks_fragmentation,
     slots_for,
 )
@@ -291,7 +290,7 @@ def capacity_simulated(sz: dict[str, Any], max_len: int = 1024) -> list[dict[str
             else:
                 blocks = BlockManager(tokens // PAGE_SIZE, PAGE_SIZE,
                                       enable_prefix_caching=kind != "paged")
-                sim = ContinuousBatchingScheduler(PAGED_MAX_SEQS, blocks,
+                sim = PagedBatchingSimulator(PAGED_MAX_SEQS, blocks,
                                                   max_num_batched_tokens=512)
             for prompt, out in reqs:
                 sim.add_request(len(prompt), out, prompt_token_ids=prompt)

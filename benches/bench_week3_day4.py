@@ -78,8 +78,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tiny_llm import LLMEngine, causal_attention, extension, openblas_threads
-from tiny_llm.day3_paged_kv import PagePool, kv_bytes_per_token
+from tiny_llm import LLMEngine, causal_attention, extension, kv_bytes_per_token, openblas_threads
+from tiny_llm.day3_paged_kv import PagePool
 from tiny_llm.day4_paged_attention import (
     paged_attention,
     paged_attention_reference,

@@ -114,8 +114,8 @@ from pathlib import Path
 from typing import Any
 
 import tiny_llm
-from tiny_llm import IncrementalDetokenizer, LLMEngine, Model, extension
-from tiny_llm.day3_paged_kv import blocks_needed, kv_bytes_per_token
+from tiny_llm import IncrementalDetokenizer, LLMEngine, Model, extension, kv_bytes_per_token
+from tiny_llm.day3_paged_kv import blocks_needed
 from tiny_llm.day4_paged_attention import paged_attention, paged_attention_reference
 from tiny_llm.day5_paged_flash import (
     TiledWalkAttention,

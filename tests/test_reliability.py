@@ -353,7 +353,7 @@ def test_pool_sizes_are_checked_before_allocating(tiny_model, smollm_tokenizer, 
 
 
 def test_a_fraction_of_memory_sizes_the_pool(tiny_model, smollm_tokenizer):
-    from tiny_llm.day3_paged_kv import available_memory, kv_bytes_per_token
+    from tiny_llm.engine.pool_size import available_memory, kv_bytes_per_token
 
     engine = LLMEngine(tiny_model, smollm_tokenizer, kv_memory_fraction=0.001)
     page_bytes = kv_bytes_per_token(tiny_model.config, tiny_model.dtype) * 16
@@ -364,7 +364,7 @@ def test_a_fraction_of_memory_sizes_the_pool(tiny_model, smollm_tokenizer):
 def test_on_apple_silicon_the_pool_comes_from_the_working_set_less_the_model(monkeypatch):
     """The GPU's working set is a fixed size: the weights already in it are not the
     pool's (on Linux the OS's available memory has counted them)."""
-    from tiny_llm.day3_paged_kv import available_memory
+    from tiny_llm.engine.pool_size import available_memory
 
     import mlx.core as mx
 

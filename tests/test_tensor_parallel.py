@@ -651,11 +651,11 @@ SMALL_WORKER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import test_tensor_parallel as t
     import tiny_llm.day3_paged_kv as paged
-    import tiny_llm.distributed.workers as tp
+    import tiny_llm.engine.pool_size as pool_size
     from tiny_llm.engine import LLMEngine
     from tiny_llm.tensor_parallel import TensorParallelError
     if os.environ["MLX_RANK"] == "1":
-        tp.available_memory = lambda: int(sys.argv[2])  # this worker's machine is smaller
+        pool_size.available_memory = lambda: int(sys.argv[2])  # this worker's machine is smaller
         allocate = paged.PagePool.__init__
         def allocating(self, *args):
             print("allocating pages", flush=True)
@@ -675,7 +675,7 @@ def test_a_worker_checks_its_own_memory_for_rank_0s_pool(tmp_path):
     """A worker whose machine has less memory than rank 0's pool of 1024 pages needs (faked
     on rank 1 only) refuses before it allocates a page, naming its rank, the pages and their
     bytes; rank 0 fails with that message."""
-    from tiny_llm.day3_paged_kv import kv_bytes_per_token
+    from tiny_llm.engine.pool_size import kv_bytes_per_token
     from tiny_llm.tensor_parallel import local_config
 
     model = make_tiny_model(**TINY)

@@ -5,7 +5,7 @@ import logging
 
 from tiny_llm.day3_paged_kv import (
     BlockManager,
-    ContinuousBatchingScheduler,
+    PagedBatchingSimulator,
     blocks_needed,
     kv_cache_blocks_fragmentation,
 )
@@ -116,7 +116,7 @@ def test_hash_collision_cannot_alias_a_prefix():
 )
 def test_random_workloads_keep_page_accounting_exact(jobs, num_pages, page_size, caching):
     bm = BlockManager(num_pages, page_size, enable_prefix_caching=caching)
-    sim = ContinuousBatchingScheduler(max_batch=4, block_manager=bm, max_num_batched_tokens=32)
+    sim = PagedBatchingSimulator(max_batch=4, block_manager=bm, max_num_batched_tokens=32)
     prefixes = [[1000 + p * 100 + i for i in range(24)] for p in range(3)]
     pending = sorted(jobs)
     added = []
@@ -307,7 +307,7 @@ def test_preemption_takes_the_newest_request_and_requeues_it_first():
     # 5 pages of 4 tokens; three 4-token prompts take a page each; each needs a second page
     # for its 5th token, and only two are left: the newest (admitted last) must go.
     bm = BlockManager(num_blocks=5, block_size=4)
-    sim = ContinuousBatchingScheduler(max_batch=3, block_manager=bm)
+    sim = PagedBatchingSimulator(max_batch=3, block_manager=bm)
     old, middle, new = (sim.add_request(4, 3, [i] * 4) for i in range(3))
     late = sim.add_request(4, 1, [9] * 4)  # waiting: behind the preempted one, not ahead
     sim.step()  # prefill all three (12 tokens, 3 pages)
@@ -328,7 +328,7 @@ def test_a_victim_planned_this_step_leaves_the_plan_and_gives_its_tokens_back():
     """make_room preempts the newest running request; one already given tokens this step
     loses them, and the step's budget gets them back for the requests after it."""
     bm = BlockManager(num_blocks=2, block_size=4)
-    sim = ContinuousBatchingScheduler(max_batch=2, block_manager=bm, max_num_batched_tokens=16)
+    sim = PagedBatchingSimulator(max_batch=2, block_manager=bm, max_num_batched_tokens=16)
     old, new = (sim.add_request(4, 3, [i] * 4) for i in range(2))
     sim.step()  # both prompts: a page each, the pool is full; each 5th token needs a page
     scheduler = sim.scheduler

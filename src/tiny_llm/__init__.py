@@ -38,6 +38,7 @@ FACE = {
     "extension": "kernels.extension",
     "IncrementalDetokenizer": "models.tokenizer",
     "KernelPlan": "kernels.cpu_kernels",
+    "kv_bytes_per_token": "engine.pool_size",
     "linear": "kernels.cpu_kernels",
     "linears": "kernels.cpu_kernels",
     "LLM": "engine",

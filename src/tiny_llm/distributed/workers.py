@@ -34,7 +34,6 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, available_memory
 from tiny_llm.distributed.ring import Ranks, ring_failed, say
 from tiny_llm.step.batch import StepBatch
 from tiny_llm.tensor_parallel import TensorParallelError, step_message, step_of_message
@@ -237,20 +236,6 @@ def serve_as_worker(ranks: Ranks, build_runner) -> None:
         except Exception as e:  # rank 0's step fails with it: the ring breaks as we exit
             _exit(f"worker rank {ranks.rank}: a step failed ({type(e).__name__}: {e})")
         in_step.clear()
-
-
-def check_worker_pool(num_pages: int, page_bytes: int) -> None:
-    """On a worker, before its page pool is allocated: refuse rank 0's page count where this
-    machine's memory cannot hold it, by the rule rank 0 sized its own pool by
-    (``pool_pages``: at most ``MAX_POOL_FRACTION`` of the memory available)."""
-    need, available = num_pages * page_bytes, available_memory()
-    if need > int(available * MAX_POOL_FRACTION):
-        raise ValueError(
-            f"rank 0's KV pool of {num_pages} pages of {page_bytes} bytes "
-            f"({need / 2**30:.2f} GiB) does not fit in this rank's memory: its machine has "
-            f"{available / 2**30:.2f} GiB available and the pool may take at most "
-            f"{MAX_POOL_FRACTION:.0%} of it; give rank 0 a smaller pool (--num-pages, "
-            f"--kv-memory-bytes or --kv-memory-fraction)")
 
 
 def _watch_rank0(sock: socket.socket, in_step: threading.Event, gone: str) -> None:

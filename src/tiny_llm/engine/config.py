@@ -7,9 +7,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tiny_llm.day1_batching import POLICIES, DenseAttention
-from tiny_llm.day3_paged_kv import MAX_POOL_FRACTION, GatherAttention
+from tiny_llm.day3_paged_kv import GatherAttention
 from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttention
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
+from tiny_llm.engine.pool_size import MAX_POOL_FRACTION
 from tiny_llm.sampling.params import LOGPROBS_MODES
 from tiny_llm.speculative import SPECULATIVE
 

@@ -27,20 +27,15 @@ from typing import Any
 
 from tiny_llm.day1_batching import DenseSlots, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
-from tiny_llm.day3_paged_kv import (
-    PagedKVSpace,
-    PagedScheduler,
-    kv_bytes_per_token,
-    log_pool,
-    pool_pages,
-)
+from tiny_llm.day3_paged_kv import PagedKVSpace, PagedScheduler
 from tiny_llm.day5_paged_flash import FlashAttention
 from tiny_llm.distributed.ring import join
-from tiny_llm.distributed.workers import Workers, check_worker_pool, serve_as_worker
+from tiny_llm.distributed.workers import Workers, serve_as_worker
 from tiny_llm.engine.config import ATTENTION_BACKENDS, EngineConfig
 from tiny_llm.engine.core import EngineCore
 from tiny_llm.engine.inputs import InputProcessor, Prompt
 from tiny_llm.engine.outputs import OutputRouter, RequestStream
+from tiny_llm.engine.pool_size import check_worker_pool, kv_bytes_per_token, log_pool, pool_pages
 from tiny_llm.engine.runner import KernelSettings, ModelRunner, ShardedModelRunner
 from tiny_llm.kernels.cpu_kernels import check_int8_activations
 from tiny_llm.models.model import Model
