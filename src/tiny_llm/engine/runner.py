@@ -90,8 +90,7 @@ class ModelRunner:
             return []
         if batch.scored:  # the prompt rows after the sampling rows are not sampled
             logits = logits[: sum(batch.num_logits)]
-        states = [(r.sampler, r.sampler.rng.bit_generator.state, len(r.sampler.logprobs),
-                   r.sampler.constraint and r.sampler.constraint.consumed) for r in requests]
+        checkpoints = [(r.sampler, r.sampler.checkpoint()) for r in requests]
         try:
             if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
                 drawn = sample_next_tokens(logits, [r.sampler for r in requests],
@@ -99,11 +98,8 @@ class ModelRunner:
                 return [[token] for token in drawn]
             return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
-            for sampler, state, records, consumed in states:
-                sampler.rng.bit_generator.state = state
-                del sampler.logprobs[records:]
-                if sampler.constraint is not None:
-                    sampler.constraint.rollback(consumed)
+            for sampler, checkpoint in checkpoints:
+                sampler.restore(checkpoint)
             raise
 
     def score_prompts(self, logits: mx.array, batch: StepBatch

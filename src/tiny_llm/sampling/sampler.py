@@ -115,6 +115,24 @@ class RequestSampler:
         self.rng = np.random.default_rng(seed)
         self.logprobs: list[TokenLogprob] = []
 
+    def checkpoint(self) -> SamplerCheckpoint:
+        """What a step may change: the generator's state, the records, the matcher."""
+        consumed = self.constraint.consumed if self.constraint is not None else 0
+        return SamplerCheckpoint(self.rng.bit_generator.state, len(self.logprobs), consumed)
+
+    def restore(self, checkpoint: SamplerCheckpoint) -> None:
+        """Undo what a failed step did since ``checkpoint``: the same draws come again."""
+        self.rng.bit_generator.state = checkpoint.rng_state
+        del self.logprobs[checkpoint.num_logprobs:]
+        if self.constraint is not None:
+            self.constraint.rollback(checkpoint.consumed)
+
+
+class SamplerCheckpoint(NamedTuple):
+    rng_state: dict
+    num_logprobs: int
+    consumed: int  # tokens the grammar's matcher had taken
+
 
 def token_logprob(x: np.ndarray, token: int, k: int) -> TokenLogprob:
     """``token``'s record in the distribution softmax(``x``), with the ``k`` most likely."""
