@@ -327,7 +327,7 @@ def test_step_batch_counts_the_leading_single_row_sequences():
     from tiny_llm.step.batch import ScheduledChunk, StepBatch
 
     class Seq:  # what StepBatch.build reads of a request
-        num_tokens, spec_token_ids = 8, []
+        num_tokens = 8
 
         def token_ids_between(self, start, end):
             return list(range(start, end))

@@ -350,9 +350,9 @@ def test_no_request_gets_drafts_past_its_own_max_tokens(tiny_model, smollm_token
                        **options)
     drafted = []
     verify = engine.core.spec.verify
-    engine.core.spec.verify = lambda request, logits: (drafted.append(
-        (request.params.max_tokens - len(request.output_token_ids), len(
-            request.spec_token_ids))) or verify(request, logits))
+    engine.core.spec.verify = lambda request, drafts, logits: (drafted.append(
+        (request.params.max_tokens - len(request.output_token_ids), len(drafts)))
+        or verify(request, drafts, logits))
     prompts = repetitive_prompts(5, seed=6)
     params = [greedy(n) for n in (2, 3, 5, 8, 13)]
     outs = tokens_of(engine, prompts, params)

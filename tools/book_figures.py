@@ -76,7 +76,6 @@ class _Request:
 
     def __init__(self, num_tokens: int):
         self.num_tokens = num_tokens
-        self.spec_token_ids: list[int] = []
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         return list(range(start, end))

@@ -312,6 +312,10 @@ class SimRequest:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def num_reusable_tokens(self) -> int:
+        return self.num_tokens  # every token's cached K/V will do: it samples no logprobs
+
     def token_ids_between(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 

@@ -289,10 +289,9 @@ class BlockSpace:
     def match_prefix(self, request) -> int:
         """Attach the cached pages holding a prefix of ``request``'s tokens; return how
         many tokens they hold (their K/V needs no computing)."""
-        # The engine's requests may limit what they reuse (one that scores its prompt needs
-        # logits a cached page does not have); the simulator's reuse everything.
-        reusable = getattr(request, "num_reusable_tokens", request.num_tokens)
-        tokens = request.token_ids_between(0, reusable)
+        # A request may reuse less than it has: one that scores its prompt needs logits a
+        # cached page does not have.
+        tokens = request.token_ids_between(0, request.num_reusable_tokens)
         hits = self.blocks.match_prefix(tokens)
         self.blocks.attach_prefix(request, hits)
         chain = self.blocks.blocks[hits[-1]].hash if hits else None

@@ -29,13 +29,13 @@ scheduler commits pages only up to the accepted length).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace, PagedScheduler
+from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import filter_logits
-from tiny_llm.step.batch import ScheduledChunk
+from tiny_llm.step.batch import Drafts, ScheduledChunk
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -98,14 +98,6 @@ def rewind(space: BlockSpace, request: Any, num_tokens: int) -> None:
 # ---------------------------------------------------------------------------- proposers
 
 
-@dataclass
-class Proposal:
-    """Draft tokens for one request and the proposer's distribution at each of them."""
-
-    tokens: list[int]
-    probs: np.ndarray | None = None  # [k, V]; None: deterministic (one-hot on each token)
-
-
 # ANCHOR: ngram
 class NgramProposer:
     """Prompt lookup: find the sequence's last ``n`` tokens earlier in the sequence (the
@@ -114,9 +106,9 @@ class NgramProposer:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, requests: list[Request], k: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(r.token_ids_between(0, r.num_tokens), n)) for r, n in
-                zip(requests, k, strict=True)]
+    def propose(self, requests: list[Request], k: list[int]) -> list[Drafts]:
+        return [Drafts(tuple(self.lookup(r.token_ids_between(0, r.num_tokens), n)))
+                for r, n in zip(requests, k, strict=True)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         # TASK 6.3: NgramProposer.lookup — Proposing without a model
@@ -161,7 +153,7 @@ class DraftModelProposer:
         self.kv: PagedKVSpace = runner.kv
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
 
-    def propose(self, requests: list[Request], k: list[int]) -> list[Proposal]:
+    def propose(self, requests: list[Request], k: list[int]) -> list[Drafts]:
         vocab = self.runner.model.config.vocab_size
         seqs = [_DraftSequence(r) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -187,7 +179,7 @@ class DraftModelProposer:
                 probs[i].append(q)
                 seqs[i].tokens.append(token)
             active = [i for i in active if len(drafts[i]) < k[i]]
-        return [Proposal(d, np.stack(p) if p else None) for d, p in
+        return [Drafts(tuple(d), np.stack(p) if p else None) for d, p in
                 zip(drafts, probs, strict=True)]
 
     def rewind(self, request: Request) -> None:
@@ -220,30 +212,6 @@ class SpeculationPolicy:
 # ANCHOR_END: policy
 
 
-class SpeculativeScheduler(PagedScheduler):
-    """Day 3's scheduler, plus: a decoding request with drafts gets its drafts as extra
-    rows of its chunk, if the step's budget and the pool have room (else it decodes one
-    token as usual). Drafts live in ``request.spec_token_ids``."""
-
-    def schedule(self) -> list[ScheduledChunk]:
-        chunks = super().schedule()
-        left = self.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
-        out = []
-        for chunk in chunks:
-            req = chunk.request
-            drafts = req.spec_token_ids
-            if drafts and chunk.num_tokens == 1 and chunk.end == req.num_tokens:
-                n = min(len(drafts), left)
-                if n and self.kv.allocate(req, chunk.end + n):
-                    left -= n
-                    req.spec_token_ids = drafts[:n]
-                    out.append(ScheduledChunk(req, chunk.start, chunk.end + n))
-                    continue
-            req.spec_token_ids = []
-            out.append(chunk)
-        return out
-
-
 @dataclass
 class Verified:
     """The outcome of verifying one request's drafts."""
@@ -254,39 +222,73 @@ class Verified:
 
 @dataclass
 class SpeculativeDecoding:
-    """The engine's speculation: propose before scheduling, verify after the forward."""
+    """The engine's speculation: drafts proposed before the schedule and given rows after
+    it, verified after the forward; after the commit, the pages of rejected drafts rewound
+    and the proposer brought up to the requests' tokens."""
 
     proposer: Any
     policy: SpeculationPolicy
     vocab: int
+    space: BlockSpace  # the target's pages, where draft rows are written
+    max_num_batched_tokens: int  # the step's budget, which draft rows share
     counters: dict[str, int] = field(default_factory=lambda: {
         "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_verify_steps": 0})
     # acceptance_histogram[n]: verification steps that kept n drafts
     acceptance_histogram: list[int] = field(default_factory=list)
 
-    def propose(self, running: list[Request]) -> None:
-        """Draft tokens for the running requests that are decoding."""
+    def propose(self, running: list[Request]) -> dict[Request, Drafts]:
+        """Drafts for the running requests that are decoding (before the step's schedule)."""
         k = self.policy.k(len(running))
         decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.params.drafts_allowed]
-        for r in running:
-            r.spec_token_ids = []
         if not k or not decoding:
-            return
+            return {}
         room = [max(0, min(k, r.max_model_len - r.num_tokens - 1,
                            (r.params.max_tokens or 1 << 30) - len(r.output_token_ids) - 1))
                 for r in decoding]
-        for request, proposal in zip(decoding, self.proposer.propose(decoding, room),
-                                     strict=True):
-            request.spec_token_ids = proposal.tokens
-            request.spec_probs = proposal.probs
+        proposals = zip(decoding, self.proposer.propose(decoding, room), strict=True)
+        return {request: drafts for request, drafts in proposals if drafts.tokens}
 
-    def verify(self, request: Request, logits: mx.array) -> Verified:
-        """Accept or reject ``request``'s drafts given the model's ``k + 1`` logit rows."""
-        drafts = request.spec_token_ids
+    def schedule_drafts(self, chunks: list[ScheduledChunk], proposals: dict[Request, Drafts]
+                        ) -> list[ScheduledChunk]:
+        """The step's chunks, a decode with drafts turned into a chunk of ``1 + k`` rows
+        where the step's budget and the pool have room (else it decodes one token as usual).
+        """
+        left = self.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+        out = []
+        for chunk in chunks:
+            req, drafts = chunk.request, proposals.get(chunk.request)
+            if drafts and chunk.num_tokens == 1 and chunk.end == req.num_tokens:
+                n = min(len(drafts), left)
+                if n and self.space.allocate(req, chunk.end + n):
+                    left -= n
+                    kept = Drafts(drafts.tokens[:n], None if drafts.probs is None
+                                  else drafts.probs[:n])
+                    chunk = replace(chunk, end=chunk.end + n, drafts=kept)
+            out.append(chunk)
+        return out
+
+    def rewind_rejected(self, chunks: list[ScheduledChunk]) -> None:
+        """The step is committed: the pages of drafts that were not accepted go back to the
+        pool (the scheduler has recorded what was computed: the accepted ones)."""
+        for chunk in chunks:
+            if chunk.drafts is not None:
+                rewind(self.space, chunk.request, chunk.request.num_computed_tokens)
+
+    def caught_up(self, request: Request) -> None:
+        """``request``'s tokens grew by this step's: the proposer keeps only what it computed
+        of tokens the request has."""
+        self.proposer.rewind(request)
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)
+
+    def verify(self, request: Request, drafts: Drafts, logits: mx.array) -> Verified:
+        """Accept or reject ``drafts`` given the model's ``k + 1`` logit rows for them."""
         params = request.params
         target = np.stack([distribution(logits[i], params, self.vocab)
                            for i in range(len(drafts) + 1)])
-        q = request.spec_probs
+        q = drafts.probs
+        drafts = list(drafts.tokens)
         if q is None or params.greedy:  # deterministic proposal: one-hot on each draft
             q = np.zeros((len(drafts), self.vocab))
             q[np.arange(len(drafts)), drafts] = 1.0

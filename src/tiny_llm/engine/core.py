@@ -23,14 +23,15 @@ ends the engine instead: ``tensor_parallel.py``.)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
 from tiny_llm.engine.runner import ModelRunner, interrupts_held
 from tiny_llm.sampling.sampler import TokenLogprob
-from tiny_llm.speculative import SpeculativeDecoding, rewind
-from tiny_llm.step.batch import ScheduledChunk, StepBatch
+from tiny_llm.speculative import SpeculativeDecoding
+from tiny_llm.step.batch import Drafts, StepBatch
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -55,9 +56,10 @@ class EngineCore:
     def step(self) -> None:
         self.reap_abandoned()
         self.release_held()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+        proposals = self.spec.propose(self.scheduler.running) if self.spec is not None else {}
         chunks = self.scheduler.schedule()
+        if proposals:
+            chunks = self.spec.schedule_drafts(chunks, proposals)
         if not chunks:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
@@ -69,8 +71,8 @@ class EngineCore:
             self._commit(batch, tokens, scores)
     # ANCHOR_END: step
 
-    def _verify(self, request: Request, logits: mx.array) -> list[int]:
-        return self.spec.verify(request, logits).tokens
+    def _verify(self, request: Request, drafts: Drafts, logits: mx.array) -> list[int]:
+        return self.spec.verify(request, drafts, logits).tokens
 
     def _commit(self, batch: StepBatch, tokens: list[list[int]],
                 scores: list[tuple[Request, list[TokenLogprob]]]) -> None:
@@ -79,17 +81,16 @@ class EngineCore:
             request.prompt_logprobs += records
         emitted = dict(zip(batch.sampling, tokens, strict=True))
         # A verified chunk computed K/V for its last token and the accepted drafts only.
-        done = [ScheduledChunk(c.request, c.start, c.start + len(emitted[c.request]))
-                if c.end > c.request.num_tokens else c for c in batch.chunks]
+        done = [replace(c, end=c.start + len(emitted[c.request]), drafts=None)
+                if c.drafts is not None else c for c in batch.chunks]
         self.scheduler.finish_step(done)
+        if self.spec is not None:
+            self.spec.rewind_rejected(batch.chunks)
         for chunk in batch.chunks:
             prompt_len = len(chunk.request.prompt_token_ids)
             self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
                                                                - chunk.start)
-            if chunk.end > chunk.request.num_tokens:  # drafts rejected: rewind the pages
-                rewind(self.scheduler.kv, chunk.request, chunk.request.num_computed_tokens)
         for request, new_tokens in emitted.items():
-            request.spec_token_ids = []
             appended, delta = [], ""
             for token in new_tokens:
                 appended.append(token)
@@ -97,7 +98,7 @@ class EngineCore:
                 if request.is_finished:
                     break
             if self.spec is not None and not request.is_finished:
-                self.spec.proposer.rewind(request)
+                self.spec.caught_up(request)
             if request.is_finished:
                 self.retire(request)
             self.outputs.route(request, request.output(appended, delta))
@@ -129,7 +130,7 @@ class EngineCore:
         self.held = [(r, first) for r, first in self.held if r is not request]
         self.scheduler.retire(request)
         if self.spec is not None:
-            self.spec.proposer.release(request)
+            self.spec.release(request)
 
     def drop(self, requests: list[Request]) -> None:
         """Abort and forget requests whose owner is gone (their outputs go nowhere)."""

@@ -46,7 +46,6 @@ from tiny_llm.speculative import (
     NgramProposer,
     SpeculationPolicy,
     SpeculativeDecoding,
-    SpeculativeScheduler,
     load_draft_model,
 )
 from tiny_llm.step.batch import AttentionBackend, AttentionGeometry
@@ -85,7 +84,7 @@ class LLMEngine:
                                              cfg.logprobs_mode)
         self.outputs = OutputRouter()
         self.core = EngineCore(self.scheduler, self.runner,
-                               _speculation(cfg, model, tokenizer, self.max_model_len),
+                               _speculation(cfg, model, tokenizer, self.max_model_len, self.kv),
                                self.outputs, cfg.kv_cache == "paged" and cfg.enable_prefix_caching)
         self.inputs = InputProcessor(tokenizer, model.config.vocab_size, cfg,
                                      self.max_model_len, self.kv.capacity_tokens)
@@ -328,17 +327,15 @@ def _scheduler(cfg: EngineConfig, kv: DenseSlots | PagedKVSpace) -> Scheduler:
     args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
     chunking = dict(chunked=cfg.enable_chunked_prefill,
                     long_prefill_token_threshold=cfg.long_prefill_token_threshold)
-    if cfg.speculative != "off":  # drafts become extra rows of a decode's chunk
-        return SpeculativeScheduler(*args, kv=kv, **chunking)
-    if cfg.kv_cache == "paged":  # Day 3
+    if cfg.kv_cache == "paged":  # Day 3 (and speculation, whose drafts need pages)
         return PagedScheduler(*args, kv=kv, **chunking)
     if cfg.enable_chunked_prefill:  # Day 2
         return ChunkedPrefillScheduler(*args, kv=kv, **chunking)
     return Scheduler(*args, kv=kv)  # Day 1
 
 
-def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
-                 max_model_len: int) -> SpeculativeDecoding | None:
+def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_model_len: int,
+                 space: PagedKVSpace) -> SpeculativeDecoding | None:
     if cfg.speculative == "off":
         return None
     if cfg.speculative == "ngram":
@@ -352,7 +349,8 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer,
         proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels,
                                                   scores_prompts=False))
     policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
-    return SpeculativeDecoding(proposer, policy, model.config.vocab_size)
+    return SpeculativeDecoding(proposer, policy, model.config.vocab_size, space,
+                               cfg.max_num_batched_tokens)
 
 
 def _one_sample(params: SamplingParams | None) -> SamplingParams | None:

@@ -26,6 +26,7 @@ from tiny_llm.sampling.sampler import TokenLogprob, sample_next_tokens
 from tiny_llm.step.batch import (
     AttentionBackend,
     DenseLayout,
+    Drafts,
     PagedLayout,
     ScheduledChunk,
     StepBatch,
@@ -80,7 +81,7 @@ class ModelRunner:
         return out
 
     def sample(self, logits: mx.array, batch: StepBatch,
-               verify: Callable[[Request, mx.array], list[int]] | None = None
+               verify: Callable[[Request, Drafts, mx.array], list[int]] | None = None
                ) -> list[list[int]]:
         """The tokens each sampling request emits: one, or, for a request with drafts,
         what ``verify`` makes of its ``k + 1`` rows. On failure, every generator, logprob
@@ -151,7 +152,7 @@ class ModelRunner:
 
     # ANCHOR: sample_with_drafts
     def sample_with_drafts(self, logits: mx.array, batch: StepBatch,
-                           verify: Callable[[Request, mx.array], list[int]] | None
+                           verify: Callable[[Request, Drafts, mx.array], list[int]] | None
                            ) -> list[list[int]]:
         """A step where some requests verify drafts: the one-row requests sample together,
         then each drafting request's ``k + 1`` rows go to ``verify``, in batch order."""
@@ -167,7 +168,7 @@ class ModelRunner:
                 tokens[i] = [token]
         for i, n in enumerate(batch.num_logits):
             if n > 1:
-                tokens[i] = verify(requests[i], logits[rows[i] : rows[i] + n])
+                tokens[i] = verify(requests[i], batch.drafts[i], logits[rows[i] : rows[i] + n])
         return tokens
     # ANCHOR_END: sample_with_drafts
 

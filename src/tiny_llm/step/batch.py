@@ -31,25 +31,48 @@ the layer's new K/V and returns each row's causal attention over its sequence's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 from tiny_llm.kernels.cpu_kernels import FusedDecode
 from tiny_llm.kernels.device import planned_device
+from tiny_llm.models.model import ModelConfig
+from tiny_llm.step.dense_kv import DenseKVCache
+from tiny_llm.step.request import Request, SequenceState
 
 import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Tokens a proposer guessed to follow a request's last token, and the proposer's
+    distribution at each (``probs [k, V]``; None: deterministic, one-hot on each token)."""
+
+    tokens: tuple[int, ...]
+    probs: np.ndarray | None = field(default=None, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``request`` computes positions ``start .. end - 1`` this step (a decode: one)."""
+    """``request`` computes positions ``start .. end - 1`` this step (a decode: one). With
+    ``drafts`` (speculative decoding), the chunk's last ``len(drafts)`` rows are the drafted
+    tokens, verified by the step's logits at its last ``len(drafts) + 1`` rows."""
 
-    request: Any
+    request: SequenceState
     start: int
     end: int
+    drafts: Drafts | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.drafts) if self.drafts is not None else 0
 
 
 # ANCHOR: step_batch
@@ -61,12 +84,13 @@ class StepBatch:
     query_start_loc: list[int]  # [B + 1]
     context_lens: list[int]  # [B]
     logit_rows: mx.array  # int32 [R]: the rows whose logits the step needs
-    sampling: list[Any]  # the requests that sample after this step ...
-    num_logits: list[int]  # ... and how many of the logit rows are each one's (in order)
+    sampling: list[Request]  # the requests that sample after this step ...
+    num_logits: list[int]  # ... how many of the logit rows are each one's (in order) ...
+    drafts: list[Drafts | None]  # ... and the drafts those rows verify (None: one row)
     decode_rows: int  # the leading sequences of one row that samples (decodes)
     kv: PagedLayout | DenseLayout | None  # what the KV storage lays out (None: nothing)
     # After the sampling rows: each scored request's prompt positions, a logit row each
-    scored: list[tuple[Any, range]] = field(default_factory=list)
+    scored: list[tuple[Request, range]] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -83,18 +107,18 @@ class StepBatch:
         positions: list[int] = []
         query_start_loc = [0]
         logit_rows: list[int] = []
-        sampling, num_logits = [], []
+        sampling, num_logits, verified = [], [], []
         for chunk in chunks:
-            req = chunk.request
-            drafts = max(0, chunk.end - req.num_tokens)  # speculative rows past its tokens
+            req, drafts = chunk.request, chunk.num_drafts
             token_ids += req.token_ids_between(chunk.start, chunk.end - drafts)
-            token_ids += req.spec_token_ids[:drafts] if drafts else []
+            token_ids += chunk.drafts.tokens if drafts else ()
             positions += range(chunk.start, chunk.end)
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
-            if chunk.end >= req.num_tokens:  # the chunk reaches the end: sample the next token
+            if chunk.end - drafts >= req.num_tokens:  # it reaches the end: sample what follows
                 logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
                 sampling.append(req)
                 num_logits.append(drafts + 1)
+                verified.append(chunk.drafts)
         scored = []
         for chunk, first_row in zip(chunks, query_start_loc[:-1], strict=True):
             prompt_rows = chunk.request.scored_prompt_positions(chunk.start, chunk.end) \
@@ -115,6 +139,7 @@ class StepBatch:
             mx.array(logit_rows, dtype=mx.int32),
             sampling,
             num_logits,
+            verified,
             decodes,
             kv,
             scored,
@@ -144,7 +169,7 @@ class PagedLayout:
 class DenseLayout:
     """A step's sequences in dense slots (Day 1's ``DenseSlots.layout``)."""
 
-    caches: list[Any]  # each sequence's DenseKVCache, in the step's order
+    caches: list[DenseKVCache]  # each sequence's cache, in the step's order
 # ANCHOR_END: layouts
 
 
@@ -160,7 +185,8 @@ class AttentionGeometry:
     device: mx.Device
 
     @classmethod
-    def of(cls, config: Any, page_size: int | None, dtype: mx.Dtype) -> AttentionGeometry:
+    def of(cls, config: ModelConfig, page_size: int | None, dtype: mx.Dtype
+           ) -> AttentionGeometry:
         return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                    page_size, dtype, planned_device())
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from tiny_llm.models.tokenizer import IncrementalDetokenizer
 from tiny_llm.sampling.params import SamplingParams
@@ -29,6 +30,30 @@ class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class SequenceState(Protocol):
+    """A sequence as the schedulers, the KV storage and the step batch read and move it:
+    the engine's ``Request`` and Day 1's model-free ``SimRequest`` alike."""
+
+    prompt_token_ids: list[int]
+    status: RequestStatus
+    num_computed_tokens: int  # tokens whose K/V is stored (only the scheduler moves it)
+    num_preemptions: int
+    num_cached_tokens: int | None  # prompt tokens a prefix-cache hit gave it at admission
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_uncomputed_tokens(self) -> int: ...
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Tokens whose cached K/V it may take from the prefix cache instead of computing."""
+        ...
+
+    def token_ids_between(self, start: int, end: int) -> list[int]: ...
 
 
 @dataclass
@@ -100,8 +125,6 @@ class Request:
         # Speculative decoding: tokens proposed for the next positions, to be verified by
         # the next step (not part of the request's tokens until accepted), and the
         # proposer's distribution at each (None: a deterministic proposal).
-        self.spec_token_ids: list[int] = []
-        self.spec_probs = None
         self._text = ""  # detokenized output, stop strings not yet ruled out at its end
         self._released = 0  # chars of _text already handed to the caller
         self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)
