@@ -857,10 +857,29 @@ def test_a_burst_cannot_pass_max_waiting(tiny_model, smollm_tokenizer):
     results = asyncio.run(burst())
     refused = [r for r in results if isinstance(r, APIError)]
     assert len(refused) == 46 and {r.status for r in refused} == {503}
-    assert len(server.engine.scheduler.waiting) == 4
+    assert server.engine.current_load().num_waiting == 4
     for bad in (-1, 0):  # 0 would refuse everything: every request waits before it runs
         with pytest.raises(ValueError, match="max_waiting must be an integer >= 1"):
             Server(server.engine, MODEL, max_waiting=bad)
+
+
+def test_samples_held_for_their_first_count_as_waiting(tiny_model, smollm_tokenizer):
+    """A request of n samples waits as n requests (the first scheduled, the others held
+    until it has computed the prompt): against max_waiting 3, n=3 fills the queue."""
+    server = Server(LLMEngine(tiny_model, smollm_tokenizer, num_pages=64), MODEL,
+                    max_waiting=3)
+
+    async def two():
+        first = await server.submit({"prompt": "three samples", "n": 3}, chat=False)
+        with pytest.raises(APIError) as refused:
+            await server.submit({"prompt": "one more"}, chat=False)
+        return first, refused.value
+
+    _, refused = asyncio.run(two())
+    assert refused.status == 503
+    load = server.engine.current_load()
+    assert (load.num_waiting, load.num_running) == (3, 0)
+    assert load.num_free_pages == load.num_pages == 64
 
 
 def test_a_request_the_pool_cannot_hold_names_its_max_tokens_field(tiny_model,

@@ -23,8 +23,8 @@ ends the engine instead: ``tensor_parallel.py``.)
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TypedDict
 
 from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
@@ -35,6 +35,39 @@ from tiny_llm.step.batch import Drafts, StepBatch
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
+
+
+class EngineStats(TypedDict, total=False):
+    """What ``stats()`` reports: the core's counters and queues, the pages' counts (paged
+    K/V), and speculation's counters (with a proposer)."""
+
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_running: int
+    num_waiting: int  # waiting to be scheduled, and samples held for their first sample
+    kv_cache_bytes: int
+    num_pages: int
+    num_free_pages: int
+    page_size: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    acceptance_histogram: list[int]
+    mean_acceptance_length: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load now, as a server admits and reports by it."""
+
+    num_running: int
+    num_waiting: int  # waiting to be scheduled, and samples held for their first sample
+    num_pages: int | None  # the page pool's size (None: dense K/V)
+    num_free_pages: int | None
 
 
 class EngineCore:
@@ -154,14 +187,19 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or bool(self.held)
                 or bool(self.outputs.pending))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         kv = self.runner.kv
-        return {
+        return EngineStats(
             **self.counters,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self.held),
-            "kv_cache_bytes": kv.nbytes(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.held),
+            kv_cache_bytes=kv.nbytes(),
             **kv.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
-        }
+        )
+
+    def current_load(self) -> EngineLoad:
+        pages = self.runner.kv.stats()
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.held),
+                          pages.get("num_pages"), pages.get("num_free_pages"))

@@ -32,7 +32,7 @@ from tiny_llm.day5_paged_flash import FlashAttention
 from tiny_llm.distributed.ring import join
 from tiny_llm.distributed.workers import Workers, serve_as_worker
 from tiny_llm.engine.config import ATTENTION_BACKENDS, EngineConfig
-from tiny_llm.engine.core import EngineCore
+from tiny_llm.engine.core import EngineCore, EngineLoad, EngineStats
 from tiny_llm.engine.inputs import InputProcessor, Prompt
 from tiny_llm.engine.outputs import OutputRouter, RequestStream
 from tiny_llm.engine.pool_size import check_worker_pool, kv_bytes_per_token, log_pool, pool_pages
@@ -123,7 +123,7 @@ class LLMEngine:
         """Queue a request whose outputs ``step()`` returns. Raises ValueError/TypeError
         and changes nothing on bad input."""
         params = _one_sample(params)
-        self._compile(params)
+        self.compile_grammar(params)
         with self._lock:
             return self._add(params, prompt, request_id, collect=False).request_id
 
@@ -132,14 +132,15 @@ class LLMEngine:
         """Queue ``params.n`` samples of one prompt, whose outputs ``step()`` returns: ids
         ``request_id-0`` .. ``-(n-1)``. The first computes the prompt; the others then
         share its pages. All or nothing on bad input."""
-        self._compile(params)
+        self.compile_grammar(params)
         with self._lock:
             base = self.outputs.new_id(request_id)
             return [r.request_id for r in self._add_samples(prompt, params, base, False)]
 
-    def _compile(self, params: SamplingParams | None) -> None:
-        """Compile a structured output's grammar before the engine's lock is taken (the
-        steps go on meanwhile); the request then gets a copy of the compiled matcher."""
+    def compile_grammar(self, params: SamplingParams | None) -> None:
+        """Compile a structured output's grammar (GrammarError if it is not one) without the
+        engine's lock (the steps go on meanwhile): an add of a request with the same output
+        then takes a copy of the compiled matcher. Safe from any thread."""
         if isinstance(params, SamplingParams) and params.structured is not None:
             self.inputs.grammars.constraint(params.structured)
 
@@ -193,9 +194,14 @@ class LLMEngine:
             self.core.step()
             return self.outputs.take_pending()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         with self._lock:
             return self.core.stats()
+
+    def current_load(self) -> EngineLoad:
+        """Requests running and waiting, and the pages in use (for a server's admission)."""
+        with self._lock:
+            return self.core.current_load()
 # ANCHOR_END: engine
 
     # ----------------------------------------------------------- outputs out
@@ -450,7 +456,7 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     @property

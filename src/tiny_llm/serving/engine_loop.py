@@ -65,7 +65,7 @@ class EngineLoop:
             if self._closed is not None:
                 raise self._closed
             if self.max_waiting is not None and \
-                    len(self.engine.scheduler.waiting) >= self.max_waiting:
+                    self.engine.current_load().num_waiting >= self.max_waiting:
                 raise APIError(503, f"the server is overloaded ({self.max_waiting} requests "
                                "waiting); retry later", kind="server_overloaded")
             for i, outputs in samples:

@@ -151,12 +151,11 @@ class Server:
         request is added, in the compiler's own threads: a grammar that takes seconds holds
         back its own request alone, never the admission lock nor the worker threads other
         requests are parsed in. The engine keeps it compiled; the add copies its matcher."""
-        structured = parsed.params.structured
-        if structured is None:
+        if parsed.params.structured is None:
             return
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self.compiler, self.engine.inputs.grammars.constraint, structured)
+                self.compiler, self.engine.compile_grammar, parsed.params)
         except GrammarError as e:
             raise APIError(400, str(e), param=parsed.grammar_param) from None
 

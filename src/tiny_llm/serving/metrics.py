@@ -39,11 +39,11 @@ class Metrics:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats = self.engine.stats()
+        stats, load = self.engine.stats(), self.engine.current_load()
         yield GaugeMetricFamily("tiny_llm_num_requests_running", "Requests running",
-                                value=stats["num_running"])
+                                value=load.num_running)
         yield GaugeMetricFamily("tiny_llm_num_requests_waiting", "Requests waiting",
-                                value=stats["num_waiting"])
+                                value=load.num_waiting)
         yield CounterMetricFamily("tiny_llm_num_preemptions", "Requests preempted",
                                   value=stats["num_preemptions"])
         yield CounterMetricFamily("tiny_llm_num_aborted_requests",
@@ -53,11 +53,11 @@ class Metrics:
                                   value=stats["num_generated_tokens"])
         yield CounterMetricFamily("tiny_llm_prompt_tokens_computed", "Prompt tokens computed",
                                   value=stats["num_prompt_tokens_computed"])
-        if "num_pages" in stats:
+        if load.num_pages is not None:
             yield GaugeMetricFamily("tiny_llm_kv_pages_in_use", "KV pages held",
-                                    value=stats["num_pages"] - stats["num_free_pages"])
+                                    value=load.num_pages - load.num_free_pages)
             yield GaugeMetricFamily("tiny_llm_kv_pages_total", "KV pages in the pool",
-                                    value=stats["num_pages"])
+                                    value=load.num_pages)
             queried = stats["prefix_cache_query_tokens"]
             yield GaugeMetricFamily(
                 "tiny_llm_prefix_cache_hit_rate", "Prompt tokens served from cached pages, "
