@@ -26,8 +26,10 @@ The pages are written in place only when nothing but the KV pool holds them (no 
 Python reference, view or pending graph: MLX's donation rule, ``donatable``), as op by op
 ``paged_kv_write`` writes in place only a pool it may donate; otherwise the step runs op by
 op, whose write copies the pool and leaves the holder's array as it was. What the op takes
-of each layer (its arrays and how they are laid out) is worked out once and reused while
-the layer's modules and arrays stay the same objects. A weight replaced (``load_weights``,
+of each layer (its arrays and how they are laid out) is the model's block's to say
+(``FusedBlock.fused_layer``: the model reads its own modules, by role); it is worked out
+once and reused while the layer's modules and arrays stay the same objects (kept here, not
+on the modules). A weight replaced (``load_weights``,
 ``update``, a new module) is read again; one changed in place in MLX (``w += d``,
 ``w[i] = x``, which keep the Python object) is not, and decode steps would go on
 multiplying by the old values: change weights by replacing them while an engine serves.
@@ -44,7 +46,8 @@ of fused ones; anything else, and every step with prefill rows, runs op by op.
 from __future__ import annotations
 
 import operator
-from typing import Any, NamedTuple
+import weakref
+from typing import Any, NamedTuple, Protocol
 
 from tiny_llm.kernels.cpu_kernels import (
     KernelPlan,
@@ -78,16 +81,17 @@ class LayerArrays(NamedTuple):
     down: tuple[list[mx.array], int, int]
 
 
-class _LayerOp(NamedTuple):
-    """A layer as decoder_run takes it (``arrays``), its pools' index (``layer``) and what
-    the layers of one run must share (``shared``)."""
+class FusedLayer(NamedTuple):
+    """A decoder layer as decoder_run takes it (``arrays``), its pools' index (``layer``)
+    and what the layers of one run must share (``shared``): the model's blocks make theirs
+    (``FusedBlock``)."""
 
     arrays: LayerArrays
     layer: int
     shared: tuple[Any, ...]
 
 
-def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.array,
+def fused_decoder_layers(blocks: list[FusedBlock], x: mx.array, positions: mx.array,
                          cache: Any, kernels: KernelPlan) -> mx.array | None:
     """``x`` through ``blocks`` (the model's decoder layers, in order) with each run of
     consecutive layers the fused op serves as one op and the others op by op (attending
@@ -128,9 +132,9 @@ def fused_decoder_layers(blocks: list[nn.Module], x: mx.array, positions: mx.arr
     return x
 
 
-def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
-    """The extension's checked run of these layer ops, kept on the run's first block."""
-    cached = first.__dict__.get("_fused_run")
+def _decoder_run(first: FusedBlock, ops: list[FusedLayer]) -> Any:
+    """The extension's checked run of these layer ops, kept for the run's first block."""
+    cached = _runs.get(id(first))
     if cached is not None and len(cached[0]) == len(ops) and all(
             map(operator.is_, cached[0], ops)):
         return cached[1]
@@ -140,7 +144,7 @@ def _decoder_run(first: nn.Module, ops: list[_LayerOp]) -> Any:
         [op.arrays for op in ops], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         eps=eps, post_eps=post_eps, rope_dims=rope_dims, rope_traditional=traditional,
         rope_scale=rope_scale, qk_eps=qk_eps, scale=scale)
-    object.__setattr__(first, "_fused_run", (ops, run))  # see _layer_op
+    _remember(_runs, first, (ops, run))
     return run
 
 
@@ -159,74 +163,57 @@ def _pools_held_by_pool_only(pool: Any) -> bool:
     return all(map(reference_extension().donatable, pool.k + pool.v))
 
 
-def _objects(block: nn.Module) -> list[Any]:
-    """The modules and arrays a layer op is read from: while they are the same objects,
-    the op is too."""
-    attn, mlp = block["self_attn"], block["mlp"]
-    parts = [block["input_layernorm"], block["post_attention_layernorm"], *attn.values(),
-             *mlp.values()]
-    objects = [attn, mlp, *parts]
-    for part in parts:
-        if isinstance(part, dict):  # a module (an MoE block's experts may be a list)
-            objects += part.values()
-    return objects
+class FusedBlock(Protocol):
+    """A decoder block the fused op can run: it reads its own modules by role, and runs op
+    by op where the op does not serve it."""
+
+    def __call__(self, x: mx.array, positions: mx.array, cache: Any,
+                 kernels: KernelPlan | None = None) -> mx.array: ...
+
+    def fused_sources(self) -> list[Any]:
+        """The modules and arrays its fused layer is read from."""
+        ...
+
+    def fused_layer(self) -> FusedLayer | None:
+        """The block as the fused op takes it (None where the op does not serve it)."""
+        ...
 
 
-def _layer_op(block: nn.Module) -> _LayerOp | None:
-    """The block's layer op (None where the fused op does not serve it), kept on the block
-    with the objects it was read from."""
-    objects = _objects(block)
-    cached = block.__dict__.get("_fused_layer_op")
+# Each block's fused layer and each run's checked run, kept here rather than on the modules,
+# with the objects they were read from: while those are the same objects, so are they.
+_layers: dict[int, tuple[list[Any], FusedLayer | None]] = {}
+_runs: dict[int, tuple[list[FusedLayer], Any]] = {}
+
+
+def _remember(cache: dict[int, Any], owner: Any, entry: Any) -> None:
+    if id(owner) not in cache:  # forgotten with its owner, before its id can be reused
+        weakref.finalize(owner, cache.pop, id(owner), None)
+    cache[id(owner)] = entry
+
+
+def _layer_op(block: FusedBlock) -> FusedLayer | None:
+    """The block's fused layer, read again only when its modules or arrays changed."""
+    objects = block.fused_sources()
+    cached = _layers.get(id(block))
     if cached is not None and len(cached[0]) == len(objects) and all(
             map(operator.is_, cached[0], objects)):
         return cached[1]
-    op = _read_layer_op(block)
-    # object's setattr: nn.Module's would store a tuple among the block's parameters.
-    object.__setattr__(block, "_fused_layer_op", (objects, op))
+    op = block.fused_layer()
+    _remember(_layers, block, (objects, op))
     return op
 
 
-def _read_layer_op(block: nn.Module) -> _LayerOp | None:
-    # Children as dict items: block.self_attn would go through nn.Module.__getattr__.
-    attn, mlp = block["self_attn"], block["mlp"]
-    if "gate_proj" not in mlp:
-        return None  # a Mixture-of-Experts block
-    q_proj, k_proj, v_proj = attn["q_proj"], attn["k_proj"], attn["v_proj"]
-    qkv = _projections([q_proj, k_proj, v_proj], biases_allowed=True)
-    o_proj = _projections([attn["o_proj"]])
-    gate_up = _projections([mlp["gate_proj"], mlp["up_proj"]])
-    down = _projections([mlp["down_proj"]])
-    if qkv is None or o_proj is None or gate_up is None or down is None:
-        return None
-    in_norm, post_norm = block["input_layernorm"], block["post_attention_layernorm"]
-    if in_norm["weight"].dtype != mx.float32 or post_norm["weight"].dtype != mx.float32:
-        return None
-    qk_norms, qk_eps = [], 0.0
-    if "q_norm" in attn:
-        q_norm, k_norm = attn["q_norm"], attn["k_norm"]
-        if q_norm.eps != k_norm.eps:
-            return None
-        qk_norms, qk_eps = [q_norm["weight"], k_norm["weight"]], q_norm.eps
-    rope = attn["rope"]
-    biases = [q_proj["bias"], k_proj["bias"], v_proj["bias"]] if "bias" in q_proj else []
-    shared = (attn.n_heads, attn.n_kv_heads, attn.head_dim, in_norm.eps, post_norm.eps,
-              rope.dims, rope.traditional, rope.scale, qk_eps, attn.scale)
-    arrays = LayerArrays(in_norm["weight"], qkv, biases, qk_norms, rope.inv_freq,
-                         post_norm["weight"], o_proj, gate_up, down)
-    return _LayerOp(arrays, attn.layer, shared)
-
-
-def _projections(layers: list[nn.Module], biases_allowed: bool = False
+def decoder_projections(layers: list[nn.Module], biases_allowed: bool = False
                  ) -> tuple[list[mx.array], int, int] | None:
     """The layers' weights as the fused ops take them: ``(arrays, group_size, bits)``, bits
     0 for float32 weights; None unless the op path would send them to the extension's
     decode kernels in one call (and without biases, but for q/k/v's)."""
     first = layers[0]
-    with_bias = "bias" in first
-    if (with_bias and not biases_allowed) or any(("bias" in m) != with_bias for m in layers):
+    with_bias = has_bias(first)
+    if (with_bias and not biases_allowed) or any(has_bias(m) != with_bias for m in layers):
         return None
     if isinstance(first, Linear):
-        weights = [m["weight"] for m in layers]
+        weights = [m.weight for m in layers]
         if not all(isinstance(m, Linear) for m in layers) or any(
                 w.dtype != mx.float32 for w in weights):
             return None  # (other dtypes take MLX's matmul op by op)
@@ -239,7 +226,12 @@ def _projections(layers: list[nn.Module], biases_allowed: bool = False
         if (not isinstance(m, QuantizedLinear) or m.group_size != group or m.bits != bits
                 or m.mode != mode or not kernel_reads_scales(m)):
             return None
-        arrays += (m["weight"], m["scales"], m["biases"])
+        arrays += (m.weight, m.scales, m.biases)
     if mode != "affine" or not reference_extension().quantized_kernel_serves(group, bits):
         return None
     return arrays, group, bits
+
+
+def has_bias(layer: nn.Module) -> bool:
+    """Whether a linear layer adds a bias (MLX's ``Linear`` holds one only if it does)."""
+    return "bias" in layer.keys()

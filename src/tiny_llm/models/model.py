@@ -25,7 +25,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tiny_llm.kernels.cpu_fused import fused_decoder_layers
+from tiny_llm.kernels.cpu_fused import (
+    FusedLayer,
+    LayerArrays,
+    decoder_projections,
+    fused_decoder_layers,
+    has_bias,
+)
 from tiny_llm.kernels.cpu_kernels import (
     Embedding,
     KernelPlan,
@@ -297,6 +303,52 @@ class TransformerBlock(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x, kernels), positions, cache, kernels)
         return h + self.mlp(self.post_attention_layernorm(h, kernels), kernels)
 # ANCHOR_END: block
+
+    # The fused decode path (``kernels/cpu_fused.py``) reads the block through these two.
+    # Children as dict items: self.self_attn would go through nn.Module.__getattr__, and
+    # fused_sources runs every decode step.
+
+    def fused_sources(self) -> list[Any]:
+        """The modules and arrays ``fused_layer`` reads: while they are the same objects,
+        so is the fused layer."""
+        attn, mlp = self["self_attn"], self["mlp"]
+        parts = [self["input_layernorm"], self["post_attention_layernorm"], *attn.values(),
+                 *mlp.values()]
+        objects = [attn, mlp, *parts]
+        for part in parts:
+            if isinstance(part, dict):  # a module (an MoE block's experts may be a list)
+                objects += part.values()
+        return objects
+
+    def fused_layer(self) -> FusedLayer | None:
+        """The block as the fused decoder op takes it; None for a Mixture-of-Experts block
+        and for weights or norms the op's kernels do not serve."""
+        attn, mlp = self["self_attn"], self["mlp"]
+        if not isinstance(mlp, MLP):
+            return None
+        q_proj, k_proj, v_proj = attn["q_proj"], attn["k_proj"], attn["v_proj"]
+        qkv = decoder_projections([q_proj, k_proj, v_proj], biases_allowed=True)
+        o_proj = decoder_projections([attn["o_proj"]])
+        gate_up = decoder_projections([mlp["gate_proj"], mlp["up_proj"]])
+        down = decoder_projections([mlp["down_proj"]])
+        if qkv is None or o_proj is None or gate_up is None or down is None:
+            return None
+        in_norm, post_norm = self["input_layernorm"], self["post_attention_layernorm"]
+        if in_norm.weight.dtype != mx.float32 or post_norm.weight.dtype != mx.float32:
+            return None
+        qk_norms, qk_eps = [], 0.0
+        if "q_norm" in attn:
+            q_norm, k_norm = attn["q_norm"], attn["k_norm"]
+            if q_norm.eps != k_norm.eps:
+                return None
+            qk_norms, qk_eps = [q_norm.weight, k_norm.weight], q_norm.eps
+        rope = attn["rope"]
+        biases = [q_proj.bias, k_proj.bias, v_proj.bias] if has_bias(q_proj) else []
+        shared = (attn.n_heads, attn.n_kv_heads, attn.head_dim, in_norm.eps, post_norm.eps,
+                  rope.dims, rope.traditional, rope.scale, qk_eps, attn.scale)
+        arrays = LayerArrays(in_norm.weight, qkv, biases, qk_norms, rope.inv_freq,
+                             post_norm.weight, o_proj, gate_up, down)
+        return FusedLayer(arrays, attn.layer, shared)
 
 
 class Backbone(nn.Module):
