@@ -68,7 +68,7 @@ from tiny_llm.day3_paged_kv import (
     BlockManager,
     GatherAttention,
     PagedBatchingSimulator,
-    PagedKVSpace,
+    PagedKVStorage,
     PagePool,
     kv_cache_blocks_fragmentation,
     slots_for,
@@ -581,7 +581,7 @@ def gather_cost(sz: dict[str, Any], rounds: int, num_layers: int = 30
         for ctx in sz["gather_contexts"]:
             pages_per_seq = -(-ctx // PAGE_SIZE)
             num_pages = batch * pages_per_seq + 16
-            space = PagedKVSpace(geometry, num_pages, PAGE_SIZE, False, mx.float32)
+            space = PagedKVStorage(geometry, num_pages, PAGE_SIZE, False, mx.float32)
             pool = space.pool
             # Fill the pool with data (writes through the pool's own API).
             all_slots = mx.arange(num_pages * PAGE_SIZE, dtype=mx.int32)
@@ -596,7 +596,7 @@ def gather_cost(sz: dict[str, Any], rounds: int, num_layers: int = 30
                 chunks=[], token_ids=mx.zeros((batch,), mx.int32),
                 positions=mx.full((batch,), ctx - 1, mx.int32),
                 query_start_loc=list(range(batch + 1)), context_lens=[ctx] * batch,
-                logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], num_logits=[],
+                logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], num_logits=[], drafts=[],
                 decode_rows=batch,
                 kv=PagedLayout(tables, mx.array(slot_mapping, dtype=mx.int32),
                                block_table(tables, pages_per_seq),

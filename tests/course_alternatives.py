@@ -561,13 +561,13 @@ BODIES: dict[str, list[str]] = {
     ],
     "6.2": [
         """
-        pages_committed = space.cached_pages.get(request, (0, None))[0]
-        floor = pages_committed * space.blocks.block_size
+        pages_committed = tables.cached_pages.get(request, (0, None))[0]
+        floor = pages_committed * tables.blocks.block_size
         if num_tokens < floor:
             raise ValueError(f"rewinding to {num_tokens} tokens would cut into the "
                              f"{pages_committed} pages committed to the prefix cache "
                              f"(their {floor} tokens are accepted)")
-        space.blocks.truncate(request, num_tokens)
+        tables.blocks.truncate(request, num_tokens)
         """,
     ],
     "6.3": [

@@ -122,7 +122,7 @@ def test_aborting_some_samples_leaves_no_page_behind(tiny_model, smollm_tokenize
                                                     params.for_sample(i))[0]
     assert finished["job-3"] == [] and len(finished["job-2"]) < 12
     stats = engine.stats()
-    assert stats["num_free_pages"] == stats["num_pages"] and not engine.core.held
+    assert stats["num_free_pages"] == stats["num_pages"] and not engine.core.held_samples
 
 
 def test_several_samples_are_refused_where_one_stream_is_expected(tiny_model,

@@ -34,7 +34,7 @@ from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.serving.app import uvicorn_config
 from tiny_llm.serving.handlers import Server
 from tiny_llm.serving.protocol import APIError
-from tiny_llm.serving.responses import CompletionShape
+from tiny_llm.serving.responses import CompletionBodies
 from tiny_llm.testing.runs import served_alone
 
 import openai
@@ -749,7 +749,7 @@ def test_completions_logprobs_are_aligned_with_the_text(served):
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"], choice
         cut += [choice["text"]] if choice["text"].endswith("\ufffd") else []
     assert cut
-    shape = CompletionShape("r", MODEL, server.spelling(), server.pieces(SamplingParams()))
+    shape = CompletionBodies("r", MODEL, server.spelling(), server.pieces(SamplingParams()))
     split = server.engine.tokenizer.encode("\U0001F600", add_special_tokens=False)
     assert shape.alternative(split[0]) == "bytes:" + "".join(
         f"\\x{b:02x}" for b in server.engine.tokenizer.token_bytes(split[0]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from tiny_llm.day3_paged_kv import BlockManager, BlockSpace
+from tiny_llm.day3_paged_kv import BlockManager, PageTables
 from tiny_llm.engine import LLMEngine
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import NgramProposer, distribution, rewind, speculative_accept
@@ -109,8 +109,8 @@ def test_emitted_tokens_follow_the_target_distribution(params):
 # Rewind
 
 
-def space_with(tokens: int, page_size: int = 4, caching: bool = True) -> tuple[BlockSpace, str]:
-    space = BlockSpace(BlockManager(16, page_size, enable_prefix_caching=caching))
+def space_with(tokens: int, page_size: int = 4, caching: bool = True) -> tuple[PageTables, str]:
+    space = PageTables(BlockManager(16, page_size, enable_prefix_caching=caching))
 
     class Seq:
         def __init__(self):
@@ -165,7 +165,7 @@ def test_random_accepts_and_rejects_conserve_pages():
     stays exact, nothing cached holds a rejected token, and everything comes back."""
     rng = random.Random(0)
     bm = BlockManager(64, 4, enable_prefix_caching=True)
-    space = BlockSpace(bm)
+    space = PageTables(bm)
 
     class Seq:
         def __init__(self, ident: int):

@@ -447,12 +447,12 @@ def test_a_byte_fallback_piece_stands_for_its_byte(tok: Tokenizer, monkeypatch):
 
 def test_logprob_records_carry_each_tokens_own_bytes(tok: Tokenizer):
     from tiny_llm.sampling.sampler import TokenLogprob
-    from tiny_llm.serving.responses import ChatShape, Spelling
+    from tiny_llm.serving.responses import ChatBodies, TokenSpelling
 
     ids = tok.encode("🦀!", add_special_tokens=False)
-    spelling = Spelling(lambda t: tok.decode([t]), tok.token_bytes)
+    spelling = TokenSpelling(lambda t: tok.decode([t]), tok.token_bytes)
     records = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
-    entries = ChatShape("r", "m", spelling).logprobs(records)["content"]
+    entries = ChatBodies("r", "m", spelling).logprobs(records)["content"]
     assert bytes(b for e in entries for b in e["bytes"]).decode() == "🦀!"
     assert entries[0]["token"] == "\ufffd" and entries[0]["top_logprobs"][0]["bytes"] == list(
         tok.token_bytes(ids[0]))

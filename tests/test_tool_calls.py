@@ -329,9 +329,9 @@ def test_a_strict_tools_calls_are_calls_only_when_their_arguments_validate():
 
 def plain():
     """Token ids spelled as their numbers: the shapes' tests read no logprobs."""
-    from tiny_llm.serving.responses import Spelling
+    from tiny_llm.serving.responses import TokenSpelling
 
-    return Spelling(str, lambda token: str(token).encode())
+    return TokenSpelling(str, lambda token: str(token).encode())
 
 
 @pytest.mark.parametrize(("fmt", "text"), [("hermes", OUTPUT), ("json", LLAMA_CALL)])
@@ -342,11 +342,11 @@ def test_a_streamed_choice_ends_as_the_whole_one_does(fmt, text, max_calls, reas
     ("tool_calls" where the model stopped after its calls, or the server at the last call
     allowed)."""
     from tiny_llm.serving.protocol import ToolUse
-    from tiny_llm.serving.responses import ChatShape
+    from tiny_llm.serving.responses import ChatBodies
 
     use = ToolUse(check_tools(TOOLS), True, None, max_calls)
-    whole = ChatShape("r", "m", plain(), use, fmt).choice(0, text, reason, None)
-    shape = ChatShape("r", "m", plain(), use, fmt)
+    whole = ChatBodies("r", "m", plain(), use, fmt).choice(0, text, reason, None)
+    shape = ChatBodies("r", "m", plain(), use, fmt)
     chunks = [shape.chunk(0, text[:30], None, None)["choices"][0],
               shape.chunk(0, text[30:], reason, None)["choices"][0]]
     streamed = [c["function"]["name"] for chunk in chunks
@@ -362,7 +362,7 @@ def test_a_call_cut_off_under_a_required_choice_is_not_content(fmt):
     max_tokens cut off is dropped, not returned as markup in the content, streamed or
     whole; the finish reason says the output was cut."""
     from tiny_llm.serving.protocol import ToolUse
-    from tiny_llm.serving.responses import ChatShape
+    from tiny_llm.serving.responses import ChatBodies
 
     if fmt == "hermes":
         done = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
@@ -370,16 +370,16 @@ def test_a_call_cut_off_under_a_required_choice_is_not_content(fmt):
     else:
         text = LLAMA_CALL[:-6]  # the output is one object: cut, no call at all
     use = ToolUse(check_tools(TOOLS), True, None, None, calls_only=True)
-    whole = ChatShape("r", "m", plain(), use, fmt).choice(0, text, "length", None)
+    whole = ChatBodies("r", "m", plain(), use, fmt).choice(0, text, "length", None)
     assert whole["message"]["content"] is None and whole["finish_reason"] == "length"
-    shape = ChatShape("r", "m", plain(), use, fmt)
+    shape = ChatBodies("r", "m", plain(), use, fmt)
     deltas = [shape.chunk(0, text[:40], None, None)["choices"][0]["delta"],
               shape.chunk(0, text[40:], "length", None)["choices"][0]["delta"]]
     assert not any("content" in d for d in deltas)
     calls = len(whole["message"].get("tool_calls", []))
     assert calls == (1 if fmt == "hermes" else 0)
     assert sum(len(d.get("tool_calls", [])) for d in deltas) == calls
-    unconstrained = ChatShape("r", "m", plain(), use._replace(calls_only=False), fmt)
+    unconstrained = ChatBodies("r", "m", plain(), use._replace(calls_only=False), fmt)
     assert unconstrained.choice(0, text, "length", None)["message"]["content"]  # auto: text
 
 

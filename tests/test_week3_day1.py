@@ -15,7 +15,7 @@ import random
 
 from tiny_llm.day1_batching import (
     BatchingSimulator,
-    DenseSlots,
+    DenseKVStorage,
     Scheduler,
     SimRequest,
     StepBudget,
@@ -423,7 +423,7 @@ def test_step_budget_grants_decodes_and_whole_prompts_only():
 
 @pytest.mark.task("1.2")
 def test_dense_slots_are_taken_once_and_reused():
-    slots = DenseSlots(num_slots=2, num_layers=1)
+    slots = DenseKVStorage(num_slots=2, num_layers=1)
     a, b, c = SimRequest(0, 3, 1), SimRequest(1, 3, 1), SimRequest(2, 3, 1)
     assert slots.allocate(a, 3) and slots.allocate(a, 4)  # the same request: one slot
     assert slots.allocate(b, 3)
@@ -444,7 +444,7 @@ def test_dense_slots_are_taken_once_and_reused():
 def test_finish_step_records_computed_tokens_and_retire_frees():
     from tiny_llm.step.batch import ScheduledChunk
 
-    kv = DenseSlots(num_slots=2, num_layers=1)
+    kv = DenseKVStorage(num_slots=2, num_layers=1)
     scheduler = Scheduler(2, 64, kv=kv)
     a, b = SimRequest(0, 5, 2), SimRequest(1, 3, 2)
     scheduler.running = [a, b]

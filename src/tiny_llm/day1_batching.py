@@ -20,7 +20,7 @@ requests: that is how the chapter's arithmetic (``static_batching_steps``,
 extend it through its hooks: Day 2 the budget and the order of work, Day 3 admission
 with cached prefixes, room-making by preemption, and page bookkeeping after a step.
 
-Day 1's KV storage is ``DenseSlots``: one growing dense cache per slot, reused by the next
+Day 1's KV storage is ``DenseKVStorage``: one growing dense cache per slot, reused by the next
 request. ``DenseAttention`` splits the step's flat batch into its sequences and attends
 each over its own cache.
 
@@ -51,7 +51,7 @@ import mlx.core as mx
 POLICIES = ("continuous", "static")
 
 
-class KVSpace(Protocol):
+class KVStorage(Protocol):
     """Where requests' K/V lives, as the scheduler and the engine see it."""
 
     def allocate(self, request: Any, num_tokens: int) -> bool:
@@ -99,13 +99,13 @@ class StepBudget:
 # ANCHOR: scheduler
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous", kv: KVSpace | None = None):
+                 policy: str = "continuous", kv: KVStorage | None = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduler must be one of {POLICIES}, got {policy!r}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
-        self.kv = kv if kv is not None else UnboundedKV()
+        self.kv = kv if kv is not None else UnlimitedKVStorage()
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0  # requests sent back to waiting (Day 3 preempts)
@@ -198,7 +198,7 @@ class Scheduler:
         return self.kv.allocate(req, num_tokens)
 
 
-class UnboundedKV:
+class UnlimitedKVStorage:
     """No KV limit beyond the slot count, and nothing to lay out (the simulator's storage)."""
 
     capacity_tokens: int | None = None  # no pool: any request fits
@@ -214,7 +214,7 @@ class UnboundedKV:
 
 
 # ANCHOR: dense_slots
-class DenseSlots(UnboundedKV):
+class DenseKVStorage(UnlimitedKVStorage):
     """Day 1's KV storage: ``num_slots`` dense caches, one per running request, each reused
     by the next request that takes its slot. No page limit: a slot grows as needed."""
 
@@ -224,14 +224,14 @@ class DenseSlots(UnboundedKV):
         self.slot_of: dict[Any, int] = {}
 
     def allocate(self, request, num_tokens: int) -> bool:
-        # TASK 1.2: DenseSlots — Slots and their caches
+        # TASK 1.2: DenseKVStorage — Slots and their caches
         if request not in self.slot_of:
             self.slot_of[request] = self.free_slots.pop()
         return True
         # END TASK
 
     def free(self, request) -> None:
-        # TASK 1.2: DenseSlots — Slots and their caches
+        # TASK 1.2: DenseKVStorage — Slots and their caches
         slot = self.slot_of.pop(request, None)
         if slot is not None:
             self.caches[slot].reset()
@@ -258,7 +258,7 @@ class DenseAttention:
     name: ClassVar[str] = "dense"
     storage: ClassVar[str] = "dense"
 
-    def __init__(self, kv: DenseSlots):
+    def __init__(self, kv: DenseKVStorage):
         self.kv = kv
         self.step: StepBatch | None = None
 

@@ -18,11 +18,11 @@ pool arrays indexed by the same page ids).
   (LRU). A new request reuses every cached full page of its prompt, except that the last
   prompt token is always recomputed: its logits are needed.
 
-``BlockSpace`` is the scheduler's view of the manager (room for requests, by page), and
+``PageTables`` is the scheduler's view of the manager (room for requests, by page), and
 ``PagedScheduler`` extends Day 2's scheduler with what pages make possible and necessary:
 admission reuses cached prefix pages, and when the pool is full the newest running
 request is *preempted* (its pages freed, its K/V recomputed later) instead of failing.
-``PagedKVSpace`` adds the page pool and lays out a step's block tables and slot mapping.
+``PagedKVStorage`` adds the page pool and lays out a step's block tables and slot mapping.
 On Day 3 attention still *gathers* each sequence's K/V from its pages into a dense array
 (``GatherAttention``): the correctness checkpoint that Day 4 removes.
 """
@@ -266,7 +266,7 @@ class BlockManager:
 
 
 # ANCHOR: block_space
-class BlockSpace:
+class PageTables:
     """The scheduler's view of a ``BlockManager``: room for requests, by page.
 
     It answers questions and keeps page bookkeeping; it never changes a request's state
@@ -403,7 +403,7 @@ class PagedBatchingSimulator(BatchingSimulator):
     def make_scheduler(self, max_batch: int, max_num_batched_tokens: int,
                        policy: str) -> Scheduler:
         return PagedScheduler(max_batch, max_num_batched_tokens, policy,
-                              kv=BlockSpace(self.block_manager))
+                              kv=PageTables(self.block_manager))
 
 
 # ANCHOR: page_pool
@@ -446,7 +446,7 @@ def slots_for(table: Sequence[int], start: int, end: int, page_size: int) -> lis
 
 
 # ANCHOR: paged_space
-class PagedKVSpace(BlockSpace):
+class PagedKVStorage(PageTables):
     """Paged KV for the engine: the block manager, the page pool, and each step's layout:
     the block tables of the step's sequences (``-1`` past their pages), the pool slot of
     every new token, and the step's context lengths and query start locations as arrays."""
@@ -499,7 +499,7 @@ class GatherAttention:
     name: ClassVar[str] = "gather"
     storage: ClassVar[str] = "paged"
 
-    def __init__(self, kv: PagedKVSpace):
+    def __init__(self, kv: PagedKVStorage):
         self.pool = kv.pool
         self.page_size = kv.page_size
 

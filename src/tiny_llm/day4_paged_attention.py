@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tiny_llm.day3_paged_kv import PagedKVSpace
+from tiny_llm.day3_paged_kv import PagedKVStorage
 from tiny_llm.kernels.cpu_kernels import FusedDecode
 from tiny_llm.kernels.device import planned_device, rehearsing_gpu
 from tiny_llm.kernels.extension import extension
@@ -216,7 +216,7 @@ class PageWalkAttention:
     name: ClassVar[str] = "page_walk"
     storage: ClassVar[str] = "paged"
 
-    def __init__(self, kv: PagedKVSpace):
+    def __init__(self, kv: PagedKVStorage):
         self.pool = kv.pool
 
     @staticmethod
@@ -246,7 +246,7 @@ class VectorKernelAttention:
     storage: ClassVar[str] = "paged"
     tiled: ClassVar[bool] = False  # multi-token queries take Day 5's tiles (FlashAttention)
 
-    def __init__(self, kv: PagedKVSpace):
+    def __init__(self, kv: PagedKVStorage):
         self.pool = kv.pool
         extension()  # fail at engine build, with the build command, rather than mid-step
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiny_llm.day3_paged_kv import BlockSpace, PagedKVSpace
+from tiny_llm.day3_paged_kv import PagedKVStorage, PageTables
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import filter_logits
 from tiny_llm.step.batch import Drafts, ScheduledChunk
@@ -80,17 +80,17 @@ def distribution(logits_row: mx.array | np.ndarray, params: SamplingParams,
 
 
 # ANCHOR: rewind
-def rewind(space: BlockSpace, request: Any, num_tokens: int) -> None:
+def rewind(tables: PageTables, request: Any, num_tokens: int) -> None:
     """Shrink ``request``'s storage to its first ``num_tokens`` tokens: pages past them go
     back to the pool (``BlockManager.truncate``). Pages committed to the prefix cache hold
     accepted tokens only and are never rewound: asking for that is an error, and changes
     nothing."""
     # TASK 6.2: rewind — Rewinding the paged cache
-    committed, _ = space.cached_pages.get(request, (0, None))
-    if committed * space.blocks.block_size > num_tokens:
+    committed, _ = tables.cached_pages.get(request, (0, None))
+    if committed * tables.blocks.block_size > num_tokens:
         raise ValueError(f"cannot rewind to {num_tokens} tokens: {committed} pages of "
                          "accepted tokens are committed to the prefix cache")
-    space.blocks.truncate(request, num_tokens)
+    tables.blocks.truncate(request, num_tokens)
     # END TASK
 # ANCHOR_END: rewind
 
@@ -150,7 +150,7 @@ class DraftModelProposer:
 
     def __init__(self, runner: Any):
         self.runner = runner
-        self.kv: PagedKVSpace = runner.kv
+        self.kv: PagedKVStorage = runner.kv
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
 
     def propose(self, requests: list[Request], k: list[int]) -> list[Drafts]:
@@ -229,7 +229,7 @@ class SpeculativeDecoding:
     proposer: Any
     policy: SpeculationPolicy
     vocab: int
-    space: BlockSpace  # the target's pages, where draft rows are written
+    tables: PageTables  # the target's page tables, where draft rows are written
     max_num_batched_tokens: int  # the step's budget, which draft rows share
     counters: dict[str, int] = field(default_factory=lambda: {
         "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_verify_steps": 0})
@@ -259,7 +259,7 @@ class SpeculativeDecoding:
             req, drafts = chunk.request, proposals.get(chunk.request)
             if drafts and chunk.num_tokens == 1 and chunk.end == req.num_tokens:
                 n = min(len(drafts), left)
-                if n and self.space.allocate(req, chunk.end + n):
+                if n and self.tables.allocate(req, chunk.end + n):
                     left -= n
                     kept = Drafts(drafts.tokens[:n], None if drafts.probs is None
                                   else drafts.probs[:n])
@@ -272,7 +272,7 @@ class SpeculativeDecoding:
         pool (the scheduler has recorded what was computed: the accepted ones)."""
         for chunk in chunks:
             if chunk.drafts is not None:
-                rewind(self.space, chunk.request, chunk.request.num_computed_tokens)
+                rewind(self.tables, chunk.request, chunk.request.num_computed_tokens)
 
     def caught_up(self, request: Request) -> None:
         """``request``'s tokens grew by this step's: the proposer keeps only what it computed

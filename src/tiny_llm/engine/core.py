@@ -81,7 +81,7 @@ class EngineCore:
         # prompt: then the prefix cache gives them its pages (shares_prompts: paged K/V
         # with prefix caching), and each computes only the prompt's last, partial page.
         self.shares_prompts = shares_prompts
-        self.held: list[tuple[Request, Request]] = []  # (sample, the first sample)
+        self.held_samples: list[tuple[Request, Request]] = []  # (sample, the first sample)
         self.counters = {"num_steps": 0, "num_prompt_tokens_computed": 0,
                          "num_generated_tokens": 0}
 
@@ -141,16 +141,16 @@ class EngineCore:
     def add(self, request: Request, after: Request | None = None) -> None:
         """Queue ``request``; a sample ``after`` the first of its prompt waits for it."""
         if after is not None and self.shares_prompts:
-            self.held.append((request, after))
+            self.held_samples.append((request, after))
         else:
             self.scheduler.add(request)
 
     def release_held(self) -> None:
         """Queue the samples whose first sample has computed the prompt (or finished)."""
-        ready = [(r, first) for r, first in self.held if first.is_finished
+        ready = [(r, first) for r, first in self.held_samples if first.is_finished
                  or first.num_computed_tokens >= len(first.prompt_token_ids)]
         for pair in ready:
-            self.held.remove(pair)
+            self.held_samples.remove(pair)
             self.scheduler.add(pair[0])
 
     def abort(self, request: Request) -> None:
@@ -160,7 +160,7 @@ class EngineCore:
         self.outputs.route(request, request.output([], delta))
 
     def retire(self, request: Request) -> None:
-        self.held = [(r, first) for r, first in self.held if r is not request]
+        self.held_samples = [(r, first) for r, first in self.held_samples if r is not request]
         self.scheduler.retire(request)
         if self.spec is not None:
             self.spec.release(request)
@@ -184,7 +184,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         self.reap_abandoned()
-        return (self.scheduler.has_unfinished() or bool(self.held)
+        return (self.scheduler.has_unfinished() or bool(self.held_samples)
                 or bool(self.outputs.pending))
 
     def stats(self) -> EngineStats:
@@ -193,7 +193,7 @@ class EngineCore:
             **self.counters,
             num_preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.held),
+            num_waiting=len(self.scheduler.waiting) + len(self.held_samples),
             kv_cache_bytes=kv.nbytes(),
             **kv.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
@@ -201,5 +201,6 @@ class EngineCore:
 
     def current_load(self) -> EngineLoad:
         pages = self.runner.kv.stats()
-        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting) + len(self.held),
-                          pages.get("num_pages"), pages.get("num_free_pages"))
+        waiting = len(self.scheduler.waiting) + len(self.held_samples)
+        return EngineLoad(len(self.scheduler.running), waiting, pages.get("num_pages"),
+                          pages.get("num_free_pages"))

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from tiny_llm.day1_batching import DenseSlots, Scheduler
+from tiny_llm.day1_batching import DenseKVStorage, Scheduler
 from tiny_llm.day2_chunked_prefill import ChunkedPrefillScheduler
-from tiny_llm.day3_paged_kv import PagedKVSpace, PagedScheduler
+from tiny_llm.day3_paged_kv import PagedKVStorage, PagedScheduler
 from tiny_llm.day5_paged_flash import FlashAttention
 from tiny_llm.distributed.ring import join
 from tiny_llm.distributed.workers import Workers, serve_as_worker
@@ -67,7 +67,7 @@ class LLMEngine:
         backend = ATTENTION_BACKENDS[cfg.attention]
         page_size = cfg.page_size if cfg.kv_cache == "paged" else None
         backend.check(AttentionGeometry.of(model.config, page_size, model.dtype))  # before
-        self.kv = _kv_space(cfg, model, self.max_model_len)  # ... any memory is allocated
+        self.kv = _kv_storage(cfg, model, self.max_model_len)  # ... any memory is allocated
         self.scheduler = _scheduler(cfg, self.kv)
         # A fused decode op runs whole layers: it has no place for the all-reduces.
         kernels = KernelSettings(cfg.cpu_kernels, cfg.int8_activations,
@@ -313,23 +313,24 @@ def _worker_runner(model: Model, setup: dict[str, Any]) -> ModelRunner:
     backend.check(AttentionGeometry.of(model.config, setup["page_size"], model.dtype))
     check_worker_pool(setup["num_pages"],
                       kv_bytes_per_token(model.config, model.dtype) * setup["page_size"])
-    kv = PagedKVSpace(model.config, setup["num_pages"], setup["page_size"], False, model.dtype)
+    kv = PagedKVStorage(model.config, setup["num_pages"], setup["page_size"], False, model.dtype)
     kernels = KernelSettings(setup["cpu_kernels"], setup["int8_activations"], False)
     return ModelRunner(model, kv, backend(kv), kernels)
 
 
-def _kv_space(cfg: EngineConfig, model: Model, max_model_len: int) -> DenseSlots | PagedKVSpace:
+def _kv_storage(cfg: EngineConfig, model: Model, max_model_len: int
+                ) -> DenseKVStorage | PagedKVStorage:
     mcfg, dtype = model.config, model.dtype
     if cfg.kv_cache == "dense":
-        return DenseSlots(cfg.max_num_seqs, mcfg.num_hidden_layers)
+        return DenseKVStorage(cfg.max_num_seqs, mcfg.num_hidden_layers)
     pages = pool_pages(mcfg, dtype, cfg.page_size, max_model_len, cfg.max_num_seqs,
                        cfg.kv_memory_bytes, cfg.kv_memory_fraction, cfg.num_pages)
     log_pool(pages, cfg.page_size, kv_bytes_per_token(mcfg, dtype) * cfg.page_size,
              max_model_len)
-    return PagedKVSpace(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
+    return PagedKVStorage(mcfg, pages, cfg.page_size, cfg.enable_prefix_caching, dtype)
 
 
-def _scheduler(cfg: EngineConfig, kv: DenseSlots | PagedKVSpace) -> Scheduler:
+def _scheduler(cfg: EngineConfig, kv: DenseKVStorage | PagedKVStorage) -> Scheduler:
     args = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler)
     chunking = dict(chunked=cfg.enable_chunked_prefill,
                     long_prefill_token_threshold=cfg.long_prefill_token_threshold)
@@ -341,7 +342,7 @@ def _scheduler(cfg: EngineConfig, kv: DenseSlots | PagedKVSpace) -> Scheduler:
 
 
 def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_model_len: int,
-                 space: PagedKVSpace) -> SpeculativeDecoding | None:
+                 tables: PagedKVStorage) -> SpeculativeDecoding | None:
     if cfg.speculative == "off":
         return None
     if cfg.speculative == "ngram":
@@ -350,12 +351,12 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_mode
         draft = load_draft_model(model, tokenizer, cfg.draft_model)
         pages = pool_pages(draft.config, draft.dtype, cfg.page_size, max_model_len,
                            cfg.max_num_seqs)
-        kv = PagedKVSpace(draft.config, pages, cfg.page_size, False, draft.dtype)
+        kv = PagedKVStorage(draft.config, pages, cfg.page_size, False, draft.dtype)
         kernels = KernelSettings(cfg.cpu_kernels, False, cfg.fused_layers)
         proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels,
                                                   scores_prompts=False))
     policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
-    return SpeculativeDecoding(proposer, policy, model.config.vocab_size, space,
+    return SpeculativeDecoding(proposer, policy, model.config.vocab_size, tables,
                                cfg.max_num_batched_tokens)
 
 

@@ -32,9 +32,9 @@ from tiny_llm.serving.protocol import (
     prompt_param,
 )
 from tiny_llm.serving.responses import (
-    ChatShape,
-    CompletionShape,
-    Spelling,
+    ChatBodies,
+    CompletionBodies,
+    TokenSpelling,
     body_too_large,
     error_response,
 )
@@ -179,9 +179,9 @@ class Server:
             else:  # no await here: this may run in a cancelled scope (a closed stream)
                 self.loop.abort(request_id)
 
-    def spelling(self) -> Spelling:
+    def spelling(self) -> TokenSpelling:
         tokenizer = self.engine.tokenizer
-        return Spelling(lambda token: tokenizer.decode([token]), tokenizer.token_bytes)
+        return TokenSpelling(lambda token: tokenizer.decode([token]), tokenizer.token_bytes)
 
     def pieces(self, params: SamplingParams) -> Callable[[], IncrementalDetokenizer]:
         """A maker of detokenizers that spell an output as the engine does for ``params``."""
@@ -241,9 +241,9 @@ class Server:
             parsed, request_id, samples, num_prompt = await self.submit(body, chat)
         except APIError as e:
             return error_response(e)
-        shape = (ChatShape(request_id, self.model_name, self.spelling(), parsed.tool_use,
+        shape = (ChatBodies(request_id, self.model_name, self.spelling(), parsed.tool_use,
                            self.tool_format) if chat
-                 else CompletionShape(request_id, self.model_name, self.spelling(),
+                 else CompletionBodies(request_id, self.model_name, self.spelling(),
                                       self.pieces(parsed.params)))
         if parsed.stream:
             return EventSourceResponse(self.events(parsed, samples, num_prompt, shape),

@@ -17,7 +17,7 @@ from tiny_llm.sampling.tool_calls import JsonToolCallParser, ToolCall, ToolCallP
 from tiny_llm.serving.protocol import APIError, ToolUse
 
 
-class Spelling(NamedTuple):
+class TokenSpelling(NamedTuple):
     """How a logprob record spells a token: its text, and the bytes it stands for (a token
     that is part of a character has the text U+FFFD but bytes of its own)."""
 
@@ -47,13 +47,13 @@ class TokenTexts:
         return texts, offsets
 
 
-class CompletionShape:
+class CompletionBodies:
     """``/v1/completions`` bodies and chunks; ``pieces`` makes a detokenizer of the
     request's output (None for chat, whose records spell tokens their own way)."""
 
     object = "text_completion"
 
-    def __init__(self, request_id: str, model: str, spelling: Spelling,
+    def __init__(self, request_id: str, model: str, spelling: TokenSpelling,
                  pieces: Callable[[], IncrementalDetokenizer] | None):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
         self.spelling, self.pieces = spelling, pieces
@@ -113,13 +113,13 @@ class CompletionShape:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-class ChatShape(CompletionShape):
+class ChatBodies(CompletionBodies):
     """``/v1/chat/completions`` bodies and chunks; with ``tools``, each choice's text is
     read for tool calls (``ToolCallParser``)."""
 
     object = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, spelling: Spelling,
+    def __init__(self, request_id: str, model: str, spelling: TokenSpelling,
                  tool_use: ToolUse | None = None, tool_format: str | None = None):
         super().__init__(request_id, model, spelling, pieces=None)
         self.id = f"chatcmpl-{request_id}"

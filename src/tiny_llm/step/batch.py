@@ -150,7 +150,7 @@ class StepBatch:
 # ANCHOR: layouts
 @dataclass(frozen=True)
 class PagedLayout:
-    """A step's sequences in the page pool (Day 3's ``PagedKVSpace.layout``). The last
+    """A step's sequences in the page pool (Day 3's ``PagedKVStorage.layout``). The last
     three arrays are the block-table interface every paged attention reads (Days 4-5)."""
 
     tables: list[list[int]]  # each sequence's pages, as far as its chunk reaches
@@ -167,7 +167,7 @@ class PagedLayout:
 
 @dataclass(frozen=True)
 class DenseLayout:
-    """A step's sequences in dense slots (Day 1's ``DenseSlots.layout``)."""
+    """A step's sequences in dense slots (Day 1's ``DenseKVStorage.layout``)."""
 
     caches: list[DenseKVCache]  # each sequence's cache, in the step's order
 # ANCHOR_END: layouts
