@@ -204,11 +204,6 @@ def shard_model(model: Model, group: mx.distributed.Group) -> None:
 # ANCHOR_END: shard_model
 
 
-def sharded_group(model: Model) -> mx.distributed.Group | None:
-    """The group ``model`` is sharded over (None: a whole model)."""
-    return getattr(model, "tensor_parallel", None)
-
-
 # ANCHOR: step_message
 def step_message(batch: StepBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     """What a worker needs of a step: its rows and where their K/V live (no requests,

@@ -28,8 +28,7 @@ from typing import TypedDict
 
 from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
-from tiny_llm.engine.runner import ModelRunner, interrupts_held
-from tiny_llm.sampling.sampler import TokenLogprob
+from tiny_llm.engine.runner import ModelRunner, RunnerOutput, interrupts_held
 from tiny_llm.speculative import SpeculativeDecoding
 from tiny_llm.step.batch import Drafts, StepBatch
 from tiny_llm.step.request import Request
@@ -97,22 +96,19 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
             return
-        batch, logits = self.runner.run(chunks)
-        scores = self.runner.score_prompts(logits, batch)  # changes nothing: before sampling
-        tokens = self.runner.sample(logits, batch, self._verify)
+        batch, output = self.runner.execute(chunks, self._verify)
         with interrupts_held():
-            self._commit(batch, tokens, scores)
+            self._commit(batch, output)
     # ANCHOR_END: step
 
     def _verify(self, request: Request, drafts: Drafts, logits: mx.array) -> list[int]:
         return self.spec.verify(request, drafts, logits).tokens
 
-    def _commit(self, batch: StepBatch, tokens: list[list[int]],
-                scores: list[tuple[Request, list[TokenLogprob]]]) -> None:
+    def _commit(self, batch: StepBatch, output: RunnerOutput) -> None:
         """Record a successful step. Pure bookkeeping: nothing here may raise."""
-        for request, records in scores:
+        for request, records in output.prompt_scores:
             request.prompt_logprobs += records
-        emitted = dict(zip(batch.sampling, tokens, strict=True))
+        emitted = dict(zip(batch.sampling, output.tokens, strict=True))
         # A verified chunk computed K/V for its last token and the accepted drafts only.
         done = [replace(c, end=c.start + len(emitted[c.request]), drafts=None)
                 if c.drafts is not None else c for c in batch.chunks]

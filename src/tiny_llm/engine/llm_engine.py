@@ -50,7 +50,7 @@ from tiny_llm.speculative import (
 )
 from tiny_llm.step.batch import AttentionBackend, AttentionGeometry
 from tiny_llm.step.request import Request, RequestOutput
-from tiny_llm.tensor_parallel import shard_model, sharded_group
+from tiny_llm.tensor_parallel import shard_model
 
 import mlx.core as mx
 
@@ -293,7 +293,7 @@ def _max_model_len(cfg: EngineConfig, model: Model) -> int:
 def _tensor_parallel(cfg: EngineConfig, model: Model) -> Workers | None:
     """Rank 0's workers when the model is split over ranks (sharding it here if it is still
     whole); on any other rank, serve rank 0's steps until it ends, then exit."""
-    group = sharded_group(model)
+    group = model.tensor_parallel
     if cfg.tensor_parallel_size == 1:
         if group is not None:
             raise ValueError(f"this model is sharded over {group.size()} ranks: pass "

@@ -48,6 +48,16 @@ class KernelSettings:
 # ANCHOR_END: kernel_settings
 
 
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What a step's forward and sampling produced, for the commit to record: each sampling
+    request's new tokens (in ``StepBatch.sampling``'s order: one token, or the drafts it
+    accepted and the token after them), and the records of requests scoring their prompt."""
+
+    tokens: list[list[int]]
+    prompt_scores: list[tuple[Request, list[TokenLogprob]]]
+
+
 # ANCHOR: model_runner
 class ModelRunner:
     """One model over one KV storage and attention backend."""
@@ -58,6 +68,15 @@ class ModelRunner:
         self.model, self.kv, self.attention, self.kernels = model, kv, attention, kernels
         self.scores_prompts = scores_prompts  # False: a draft model's (it samples only)
         self.logprobs_mode = logprobs_mode  # what a token's logprob record reads
+
+    def execute(self, chunks: list[ScheduledChunk],
+                verify: Callable[[Request, Drafts, mx.array], list[int]] | None = None
+                ) -> tuple[StepBatch, RunnerOutput]:
+        """One step's forward and sampling. Changes nothing a failed step must undo but the
+        samplers', which ``sample`` restores itself."""
+        batch, logits = self.run(chunks)
+        scores = self.score_prompts(logits, batch)  # changes nothing: before sampling
+        return batch, RunnerOutput(self.sample(logits, batch, verify), scores)
 
     def run(self, chunks: list[ScheduledChunk],
             layout: PagedLayout | DenseLayout | None = None) -> tuple[StepBatch, mx.array]:

@@ -365,6 +365,9 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
+        # The group this model's layers are sharded over (``tensor_parallel.shard_model``);
+        # None: every layer whole, on this process.
+        self.tensor_parallel: mx.distributed.Group | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
