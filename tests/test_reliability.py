@@ -121,6 +121,7 @@ class FailingModel:
     def __init__(self, model, at: int):
         self.model, self.config, self.dtype, self.at, self.calls = model, model.config, \
             model.dtype, at, 0
+        self.tensor_parallel = model.tensor_parallel
 
     def hidden_states(self, *args):
         self.calls += 1

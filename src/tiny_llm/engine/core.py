@@ -120,18 +120,13 @@ class EngineCore:
             self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
                                                                - chunk.start)
         for request, new_tokens in emitted.items():
-            appended, delta = [], ""
-            for token in new_tokens:
-                appended.append(token)
-                delta += request.append_token(token)
-                if request.is_finished:
-                    break
-            if self.spec is not None and not request.is_finished:
-                self.spec.caught_up(request)
-            if request.is_finished:
+            output = request.append_tokens(new_tokens)
+            if output.finished:
                 self.retire(request)
-            self.outputs.route(request, request.output(appended, delta))
-            self.counters["num_generated_tokens"] += len(appended)
+            elif self.spec is not None:
+                self.spec.caught_up(request)
+            self.outputs.route(request, output)
+            self.counters["num_generated_tokens"] += len(output.new_token_ids)
         self.counters["num_steps"] += 1
 
     def add(self, request: Request, after: Request | None = None) -> None:

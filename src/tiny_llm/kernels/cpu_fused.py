@@ -27,12 +27,11 @@ Python reference, view or pending graph: MLX's donation rule, ``donatable``), as
 ``paged_kv_write`` writes in place only a pool it may donate; otherwise the step runs op by
 op, whose write copies the pool and leaves the holder's array as it was. What the op takes
 of each layer (its arrays and how they are laid out) is the model's block's to say
-(``FusedBlock.fused_layer``: the model reads its own modules, by role); it is worked out
-once and reused while the layer's modules and arrays stay the same objects (kept here, not
-on the modules). A weight replaced (``load_weights``,
-``update``, a new module) is read again; one changed in place in MLX (``w += d``,
-``w[i] = x``, which keep the Python object) is not, and decode steps would go on
-multiplying by the old values: change weights by replacing them while an engine serves.
+(``fused_layer``: the model reads its own modules, by role); it is worked out once and
+reused while the layer's modules and arrays stay the same objects. A weight replaced
+(``load_weights``, ``update``, a new module) is read again; one changed in place in MLX
+(``w += d``, ``w[i] = x``, which keep the Python object) is not, and decode steps would go
+on multiplying by the old values: change weights by replacing them while an engine serves.
 
 The fused layers serve what those kernels serve: float32 on a CPU stream with the reference
 extension (a learner's kernels run op by op: they are what the course tests), projections
@@ -47,7 +46,8 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from tiny_llm.kernels.cpu_kernels import (
     KernelPlan,
@@ -84,24 +84,25 @@ class LayerArrays(NamedTuple):
 class FusedLayer(NamedTuple):
     """A decoder layer as decoder_run takes it (``arrays``), its pools' index (``layer``)
     and what the layers of one run must share (``shared``): the model's blocks make theirs
-    (``FusedBlock``)."""
+    (``TransformerBlock.fused_layer``)."""
 
     arrays: LayerArrays
     layer: int
     shared: tuple[Any, ...]
 
 
-def fused_decoder_layers(blocks: list[FusedBlock], x: mx.array, positions: mx.array,
-                         cache: Any, kernels: KernelPlan) -> mx.array | None:
+def fused_decoder_layers(blocks: list[Callable[..., mx.array]],
+                         ops: list[FusedLayer | None], x: mx.array, positions: mx.array, cache: Any,
+                         kernels: KernelPlan) -> mx.array | None:
     """``x`` through ``blocks`` (the model's decoder layers, in order) with each run of
-    consecutive layers the fused op serves as one op and the others op by op (attending
-    through ``cache``), or None when the step is not one it serves (then the caller runs
-    every layer op by op). ``kernels.fused``: the step's pool and layout."""
+    consecutive layers the fused op serves as one op (``ops``: each block as the op takes
+    it, None where it does not serve it) and the others op by op (attending through
+    ``cache``), or None when the step is not one it serves (then the caller runs every
+    layer op by op). ``kernels.fused``: the step's pool and layout."""
     fused = kernels.fused
     if (fused is None or x.ndim != 2 or not kernels_on(kernels, x)
             or extension() is not reference_extension()):
         return None
-    ops = [_layer_op(block) for block in blocks]
     pool = fused.pool
     if not any(ops):
         return None
@@ -132,7 +133,7 @@ def fused_decoder_layers(blocks: list[FusedBlock], x: mx.array, positions: mx.ar
     return x
 
 
-def _decoder_run(first: FusedBlock, ops: list[FusedLayer]) -> Any:
+def _decoder_run(first: Callable[..., mx.array], ops: list[FusedLayer]) -> Any:
     """The extension's checked run of these layer ops, kept for the run's first block."""
     cached = _runs.get(id(first))
     if cached is not None and len(cached[0]) == len(ops) and all(
@@ -163,25 +164,8 @@ def _pools_held_by_pool_only(pool: Any) -> bool:
     return all(map(reference_extension().donatable, pool.k + pool.v))
 
 
-class FusedBlock(Protocol):
-    """A decoder block the fused op can run: it reads its own modules by role, and runs op
-    by op where the op does not serve it."""
-
-    def __call__(self, x: mx.array, positions: mx.array, cache: Any,
-                 kernels: KernelPlan | None = None) -> mx.array: ...
-
-    def fused_sources(self) -> list[Any]:
-        """The modules and arrays its fused layer is read from."""
-        ...
-
-    def fused_layer(self) -> FusedLayer | None:
-        """The block as the fused op takes it (None where the op does not serve it)."""
-        ...
-
-
-# Each block's fused layer and each run's checked run, kept here rather than on the modules,
-# with the objects they were read from: while those are the same objects, so are they.
-_layers: dict[int, tuple[list[Any], FusedLayer | None]] = {}
+# Each run's checked run, kept here rather than on the modules, with the layers it was made
+# of: while those are the same, so is the run.
 _runs: dict[int, tuple[list[FusedLayer], Any]] = {}
 
 
@@ -189,18 +173,6 @@ def _remember(cache: dict[int, Any], owner: Any, entry: Any) -> None:
     if id(owner) not in cache:  # forgotten with its owner, before its id can be reused
         weakref.finalize(owner, cache.pop, id(owner), None)
     cache[id(owner)] = entry
-
-
-def _layer_op(block: FusedBlock) -> FusedLayer | None:
-    """The block's fused layer, read again only when its modules or arrays changed."""
-    objects = block.fused_sources()
-    cached = _layers.get(id(block))
-    if cached is not None and len(cached[0]) == len(objects) and all(
-            map(operator.is_, cached[0], objects)):
-        return cached[1]
-    op = block.fused_layer()
-    _remember(_layers, block, (objects, op))
-    return op
 
 
 def decoder_projections(layers: list[nn.Module], biases_allowed: bool = False

@@ -22,6 +22,7 @@ into it unchanged.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -304,13 +305,25 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h, kernels), kernels)
 # ANCHOR_END: block
 
-    # The fused decode path (``kernels/cpu_fused.py``) reads the block through these two.
-    # Children as dict items: self.self_attn would go through nn.Module.__getattr__, and
-    # fused_sources runs every decode step.
+    # What the fused decode path (``kernels/cpu_fused.py``) takes of the block. Children as
+    # dict items: self.self_attn would go through nn.Module.__getattr__, and fused_layer
+    # runs every decode step.
 
-    def fused_sources(self) -> list[Any]:
-        """The modules and arrays ``fused_layer`` reads: while they are the same objects,
-        so is the fused layer."""
+    def fused_layer(self) -> FusedLayer | None:
+        """The block as the fused decoder op takes it, worked out again only when one of
+        its modules or arrays was replaced (``load_weights``, ``update``, a new module)."""
+        sources = self._fused_sources()
+        cached = self.__dict__.get("_fused_layer")
+        if cached is not None and len(cached[0]) == len(sources) and all(
+                map(operator.is_, cached[0], sources)):
+            return cached[1]
+        layer = self._read_fused_layer()
+        # object's setattr: nn.Module's would store a tuple among the block's parameters.
+        object.__setattr__(self, "_fused_layer", (sources, layer))
+        return layer
+
+    def _fused_sources(self) -> list[Any]:
+        """The modules and arrays ``_read_fused_layer`` reads."""
         attn, mlp = self["self_attn"], self["mlp"]
         parts = [self["input_layernorm"], self["post_attention_layernorm"], *attn.values(),
                  *mlp.values()]
@@ -320,9 +333,9 @@ class TransformerBlock(nn.Module):
                 objects += part.values()
         return objects
 
-    def fused_layer(self) -> FusedLayer | None:
-        """The block as the fused decoder op takes it; None for a Mixture-of-Experts block
-        and for weights or norms the op's kernels do not serve."""
+    def _read_fused_layer(self) -> FusedLayer | None:
+        """None for a Mixture-of-Experts block and for weights or norms the op's kernels do
+        not serve."""
         attn, mlp = self["self_attn"], self["mlp"]
         if not isinstance(mlp, MLP):
             return None
@@ -407,8 +420,10 @@ class Model(nn.Module):
                       kernels: KernelPlan | None = None) -> mx.array:
         """Every row's output of the last layer (before the final norm)."""
         h = self.model.embed_tokens(tokens)
+        layers = self.model.layers
         if kernels is not None and kernels.fused is not None and (out := fused_decoder_layers(
-                self.model.layers, h, positions, cache, kernels)) is not None:
+                layers, [b.fused_layer() for b in layers], h, positions, cache,
+                kernels)) is not None:
             return out  # a decode step on a CPU: runs of layers as single ops, the same bits
         for layer in self.model.layers:
             h = layer(h, positions, cache, kernels)

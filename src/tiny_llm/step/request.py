@@ -196,6 +196,17 @@ class Request:
         # Hold back the tail that could still be the start of a stop string.
         return self._release(len(self._text) - max(0, self._max_stop_len - 1))
 
+    def append_tokens(self, tokens: list[int]) -> RequestOutput:
+        """Record a step's tokens in order (a verification's accepted drafts and the one
+        after them), up to the one that finishes the request; its output for the step."""
+        appended, delta = [], ""
+        for token in tokens:
+            appended.append(token)
+            delta += self.append_token(token)
+            if self.status is RequestStatus.FINISHED:
+                break
+        return self.output(appended, delta)
+
     def finish(self, reason: str, flush: bool = True) -> str:
         """Mark finished; returns the text that was still held back."""
         self.status = RequestStatus.FINISHED

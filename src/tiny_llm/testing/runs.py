@@ -69,6 +69,7 @@ class RecordingModel:
 
     def __init__(self, model):
         self.model, self.config, self.dtype = model, model.config, model.dtype
+        self.tensor_parallel = model.tensor_parallel
         self.recorded: list[mx.array] = []
 
     def hidden_states(self, *args):
