@@ -2,12 +2,13 @@
 
 The top level of the package holds the chapters a reader works through (the days, the
 optional chapters and the Serving chapter's ``structured``), the CLI and the package's face;
-everything else lives in a package named for its role. ``LAYERS`` orders them, lowest first:
-a module imports only its own layer and the layers below, so a reader can replace one
-chapter's module with their own and run the engine on it, and a day imports only earlier
-days. Chapters sit where their idea is used: Mixture of Experts below the models that hold
-its layers, structured outputs below the sampler that masks with them. Imports inside
-functions count too: a lazy import is still an arrow. No import circle may exist anywhere.
+everything else lives in a package named for its role. ``tiny_llm.LAYERS`` orders them,
+lowest first: a module imports only its own layer and the layers below, so a reader can
+replace one chapter's module with their own and run the engine on it, and a day imports
+only earlier days. Chapters sit where their idea is used: Mixture of Experts below the
+models that hold its layers, structured outputs below the sampler that masks with them.
+Imports inside functions count too: a lazy import is still an arrow. No import circle may
+exist anywhere.
 """
 
 from __future__ import annotations
@@ -15,32 +16,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import tiny_llm
+
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tiny_llm"
-# Lowest first. The course machinery needs nothing of the engine (``tiny_llm/__init__``
-# installs the learner switch before any chapter is imported).
-LAYERS = [
-    "course",
-    "kernels",
-    "moe",  # chapter: Mixture of Experts
-    "models",
-    "structured",  # chapter: Serving (structured outputs)
-    "sampling",
-    "step",
-    "day1_batching",
-    "day2_chunked_prefill",
-    "day3_paged_kv",
-    "day4_paged_attention",
-    "day5_paged_flash",
-    "speculative",  # chapter
-    "tensor_parallel",  # chapter
-    "distributed",
-    "engine",
-    "serving",
-    "cli",
-    "testing",
-]
-CHAPTERS = {"day1_batching", "day2_chunked_prefill", "day3_paged_kv", "day4_paged_attention",
-            "day5_paged_flash", "speculative", "moe", "tensor_parallel", "structured"}
+LAYERS = [name for name, _ in tiny_llm.LAYERS]  # lowest first: the package states them
+CHAPTERS = set(tiny_llm.CHAPTERS)
 FACE = "__init__"
 
 

@@ -8,7 +8,9 @@ a small example, then written as SVG to ``book/src/figures/``.
   pages, each (tile, page) pair full, on the causal diagonal, or never read;
 - ``metal-threadgroup.svg`` (Day 4): one Metal threadgroup of the vector schedule, with the
   sizes of ``paged_attention_geometry.h``: which pages each simdgroup walks, and which
-  elements of a key each lane holds.
+  elements of a key each lane holds;
+- ``layers.svg`` (the architecture chapter): the package's layers as ``tiny_llm.LAYERS``
+  states them, with each package's modules as they are on disk.
 
 The files are committed; ``tests/test_book.py`` draws them again and fails if a committed
 one differs, so a diagram cannot drift from the code it shows.
@@ -268,11 +270,53 @@ def metal_threadgroup() -> str:
     return svg.render()
 
 
+# ---------------------------------------------------------------------------------------
+# The architecture: the package's layers
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "tiny_llm"
+
+
+def layers() -> str:
+    import tiny_llm
+
+    rows = list(reversed(tiny_llm.LAYERS))  # the highest layer on top
+    details = [_layer_detail(name, role) for name, role in rows]
+    row_h, x0, y0, name_w = 30, 20, 60, 215
+    width = x0 + name_w + 7 * max(map(len, details)) + 20  # 11-px monospace: 6.6 px a char
+    svg = Svg(width + x0, y0 + row_h * len(rows) + 60, "The package's layers")
+    svg.text(x0, 30, "src/tiny_llm, lowest layer at the bottom: a module imports only its "
+             "own layer and those below", anchor="start", bold=True)
+    for i, ((name, _), detail) in enumerate(zip(rows, details, strict=True)):
+        y = y0 + i * row_h
+        package = (PACKAGE / name).is_dir()
+        fill = COLORS[0] if name in tiny_llm.CHAPTERS else COLORS[2] if package else COLORS[3]
+        svg.rect(x0, y, width - x0, row_h - 4, fill)
+        svg.text(x0 + 8, y + 18, name + ("/" if package else ".py"), anchor="start", bold=True)
+        svg.text(x0 + name_w, y + 18, detail, anchor="start", size=11, color="#333")
+    y = y0 + row_h * len(rows) + 20
+    for i, (label, fill) in enumerate((("a chapter (a learner replaces it)", COLORS[0]),
+                                        ("a package", COLORS[2]), ("the CLI", COLORS[3]))):
+        svg.rect(x0 + i * 280, y, 18, 14, fill)
+        svg.text(x0 + i * 280 + 26, y + 12, label, anchor="start", size=12)
+    return svg.render()
+
+
+def _layer_detail(name: str, role: str) -> str:
+    """A layer's role, and a package's modules as they are on disk."""
+    detail = role.removeprefix("chapter: ").removeprefix("chapter, ")
+    if (PACKAGE / name).is_dir():
+        modules = sorted(p.stem for p in (PACKAGE / name).glob("*.py") if p.stem != "__init__")
+        detail += " (" + ", ".join(modules) + ")"
+    return detail
+
+
 FIGURES_BY_NAME: dict[str, Callable[[], str]] = {
     "flat-batch.svg": flat_batch,
     "page-walk.svg": page_walk,
     "tiles-diagonal.svg": tiles_diagonal,
     "metal-threadgroup.svg": metal_threadgroup,
+    "layers.svg": layers,
 }
 
 

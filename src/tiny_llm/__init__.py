@@ -63,6 +63,34 @@ FACE = {
 }
 __all__ = sorted(FACE)
 
+# The package's layers, lowest first, each with what it holds: a module imports only its own
+# layer and those below (tests/test_architecture.py checks every import; the architecture
+# chapter draws them). The top level holds the chapters, the CLI and this face; a chapter sits
+# where its idea is used (MoE below the models that hold its block, structured outputs below
+# the sampler that masks with them).
+LAYERS = (
+    ("course", "the tasks and their stubs, a learner's workspace, the learner switch"),
+    ("kernels", "the extension's binding, the CPU kernel plans, the fused decode layers"),
+    ("moe", "chapter: Mixture of Experts (routing, dispatch, combine)"),
+    ("models", "the model families, their loader, the tokenizer"),
+    ("structured", "chapter, serving: a grammar's mask on a logit row"),
+    ("sampling", "the sampling parameters, the sampler, tool calls"),
+    ("step", "requests, the step batch and its layouts, the attention seam"),
+    ("day1_batching", "chapter, Day 1: continuous batching"),
+    ("day2_chunked_prefill", "chapter, Day 2: chunked prefill"),
+    ("day3_paged_kv", "chapter, Day 3: paged KV cache"),
+    ("day4_paged_attention", "chapter, Day 4: paged attention, read in place"),
+    ("day5_paged_flash", "chapter, Day 5: paged FlashAttention"),
+    ("speculative", "chapter: speculative decoding"),
+    ("tensor_parallel", "chapter: beyond one machine (shards, the all-reduce)"),
+    ("distributed", "the ranks' meeting, rank 0's workers, a worker's loop"),
+    ("engine", "the engine: configuration, scheduler core, model runner, outputs"),
+    ("serving", "the OpenAI-compatible server, by job"),
+    ("cli", "tiny-llm chat | generate | serve | launch | course"),
+    ("testing", "tiny models, runs and paged cases for the tests and benchmarks"),
+)
+CHAPTERS = tuple(name for name, role in LAYERS if role.startswith("chapter"))
+
 
 def __getattr__(name: str):
     module = FACE.get(name)

@@ -120,13 +120,13 @@ class EngineCore:
             self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
                                                                - chunk.start)
         for request, new_tokens in emitted.items():
-            output = request.append_tokens(new_tokens)
-            if output.finished:
+            step_output = request.append_tokens(new_tokens)
+            if step_output.finished:
                 self.retire(request)
             elif self.spec is not None:
                 self.spec.caught_up(request)
-            self.outputs.route(request, output)
-            self.counters["num_generated_tokens"] += len(output.new_token_ids)
+            self.outputs.route(request, step_output)
+            self.counters["num_generated_tokens"] += len(step_output.new_token_ids)
         self.counters["num_steps"] += 1
 
     def add(self, request: Request, after: Request | None = None) -> None:
