@@ -532,7 +532,7 @@ def test_fields_as_openai_reads_them(served, client):
                                                                      temperature=0))[0])
     chat = f"{url}/v1/chat/completions"
     status, text = http(chat, {"messages": [{"role": "wizard", "content": "hi"}]})
-    assert status == 400 and "role must be one of system, user, assistant" in text
+    assert status == 400 and "a role is one of system, user, assistant" in text
     status, text = http(chat, {"messages": [{"role": "developer", "content": "Be brief."},
                                             {"role": "user", "content": "hi"}],
                                "max_tokens": 2})  # OpenAI's newer name for system

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from tiny_llm.engine import CHAT_ROLES, ContextLengthError, LLMEngine
+from tiny_llm.engine import ContextLengthError, LLMEngine
 from tiny_llm.models.tokenizer import check_text, strings_in
 from tiny_llm.sampling import tool_calls
 from tiny_llm.sampling.params import MAX_LOGPROBS, MAX_SAMPLES, InvalidParam, SamplingParams
@@ -292,15 +292,15 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
 
 
 def chat_message(i: int, m: Any) -> dict[str, Any]:
-    """Message ``i``: role and content, a participant's ``name`` (the template reads it, as
-    ``transformers`` passes it), an assistant turn's ``tool_calls`` and a tool result's
-    ``tool_call_id``."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise APIError(400, "each message needs a role and a content", param="messages")
-    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
-    if role not in CHAT_ROLES:
-        raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} "
-                       "(or developer)", param="messages")
+    """Message ``i`` in the engine's shape: OpenAI's spellings translated (``developer`` is
+    ``system``; text content parts are one string), a participant's ``name`` (the template
+    reads it, as ``transformers`` passes it), an assistant turn's ``tool_calls`` and a tool
+    result's ``tool_call_id``. Its role and content are the engine's to check (one rule, the
+    engine's: its errors are 400s naming ``messages``)."""
+    if not isinstance(m, dict):
+        raise APIError(400, f"messages[{i}] must be an object with a role and a content",
+                       param="messages")
+    role = "system" if m.get("role") == "developer" else m.get("role")  # OpenAI's newer name
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text"
@@ -311,8 +311,6 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
     message = {"role": role, "content": content}
     if role == "assistant" and m.get("tool_calls"):
         message["tool_calls"] = m["tool_calls"]  # checked with the conversation
-    elif not isinstance(content, str):
-        raise APIError(400, "message content must be a string", param="messages")
     return message | message_ids(i, m, role)
 
 
