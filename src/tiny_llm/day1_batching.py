@@ -44,7 +44,7 @@ from tiny_llm.step.batch import (
     StepBatch,
 )
 from tiny_llm.step.dense_kv import DenseKVCache
-from tiny_llm.step.request import RequestStatus
+from tiny_llm.step.request import RequestStatus, SequenceState
 
 import mlx.core as mx
 
@@ -289,35 +289,15 @@ class DenseAttention:
 
 
 # ANCHOR: simulator
-class SimRequest:
+class SimRequest(SequenceState):
     """A request for the model-free simulator: a prompt length and a planned output length."""
 
     def __init__(self, request_id: int, prompt_len: int, output_len: int,
                  prompt_token_ids: list[int] | None = None):
+        super().__init__(prompt_token_ids or [request_id] * prompt_len)
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids or [request_id] * prompt_len)
-        self.output_token_ids: list[int] = []
         self.output_len = output_len
-        self.num_computed_tokens = 0
-        self.num_preemptions = 0
-        self.num_cached_tokens: int | None = None  # set by Day 3's prefix-cache admission
-        self.status = RequestStatus.WAITING
         self.finish_step: int | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def num_reusable_tokens(self) -> int:
-        return self.num_tokens  # every token's cached K/V will do: it samples no logprobs
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from tiny_llm.models.tokenizer import IncrementalDetokenizer
 from tiny_llm.sampling.params import SamplingParams
@@ -32,28 +31,37 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-class SequenceState(Protocol):
-    """A sequence as the schedulers, the KV storage and the step batch read and move it:
-    the engine's ``Request`` and Day 1's model-free ``SimRequest`` alike."""
+class SequenceState:
+    """A sequence as the schedulers, the KV storage and the step batch read and move it: the
+    base of the engine's ``Request`` and of Day 1's model-free ``SimRequest``."""
 
-    prompt_token_ids: list[int]
-    status: RequestStatus
-    num_computed_tokens: int  # tokens whose K/V is stored (only the scheduler moves it)
-    num_preemptions: int
-    num_cached_tokens: int | None  # prompt tokens a prefix-cache hit gave it at admission
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V is stored (only the scheduler moves it)
+        self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # a prefix-cache hit at its first admission
 
     @property
-    def num_tokens(self) -> int: ...
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_uncomputed_tokens(self) -> int: ...
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def num_reusable_tokens(self) -> int:
         """Tokens whose cached K/V it may take from the prefix cache instead of computing."""
-        ...
+        return self.num_tokens
 
-    def token_ids_between(self, start: int, end: int) -> list[int]: ...
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``(prompt + output)[start:end]`` without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
 
 
 @dataclass
@@ -90,7 +98,7 @@ _ids = itertools.count()
 
 
 # ANCHOR: request
-class Request:
+class Request(SequenceState):
     def __init__(
         self,
         prompt_token_ids: list[int],
@@ -102,29 +110,21 @@ class Request:
         prompt: str | None = None,
         constraint: Constraint | None = None,
     ):
+        super().__init__(prompt_token_ids)
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.detokenizer = detokenizer
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids or ())
         self.max_model_len = max_model_len
-        self.output_token_ids: list[int] = []
         self.sampler = RequestSampler(params, TokenHistory(
             self.prompt_token_ids, self.output_token_ids, self.eos_token_ids | self.stop_token_ids),
             constraint)
-        self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.num_preemptions = 0
-        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         # With params.prompt_logprobs: a record for each prompt token after the first, in
         # the model's own distribution at the position before it (scored while prefilling)
         self.prompt_logprobs: list[TokenLogprob] = []
-        # Speculative decoding: tokens proposed for the next positions, to be verified by
-        # the next step (not part of the request's tokens until accepted), and the
-        # proposer's distribution at each (None: a deterministic proposal).
         self._text = ""  # detokenized output, stop strings not yet ruled out at its end
         self._released = 0  # chars of _text already handed to the caller
         self._max_stop_len = max((len(s) for s in params.stop or ()), default=0)
@@ -133,13 +133,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list."""
-        n = len(self.prompt_token_ids)
-        if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
 
     def scored_prompt_positions(self, start: int, end: int) -> range:
         """The positions in ``start .. end - 1`` whose logits score the next prompt token
@@ -161,14 +154,6 @@ class Request:
         if self.params.prompt_logprobs is None or scored >= len(self.prompt_token_ids) - 1:
             return self.num_tokens
         return scored
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
