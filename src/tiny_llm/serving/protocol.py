@@ -3,8 +3,10 @@
 ``parse_request`` turns a chat or completions body into a ``ParsedRequest`` (the prompt, the
 sampling parameters, the structured output, the tools in use); every field the server does
 not honour is refused by name, and every 400 names its field (``APIError.param``). The
-engine's own checks (``SamplingParams``, roles, context length) are the rules: their
-``InvalidParam`` errors become 400s here, with the field they name.
+engine's own checks are the rules (``SamplingParams``, a message's role and content, the
+prompt's tokens): their errors become 400s here, with the field they name. The server adds
+OpenAI's own: the translation of its spellings, and a prompt plus ``max_tokens`` within
+``max_model_len`` (``check_context_length``; the engine alone would stop at the limit).
 """
 
 from __future__ import annotations
