@@ -72,9 +72,10 @@ def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
 def worker() -> None:
     """Serve every workload on the ``tiny_llm`` that PYTHONPATH names, with the workloads of
     the benchmarks ``TINY_LLM_BENCHES`` names; print JSON."""
+    # Names every tree since the engine package has (this function serves any base).
     import tiny_llm
-    from tiny_llm import ATTENTION_BACKENDS, LLMEngine
     from tiny_llm.day3_paged_kv import blocks_needed
+    from tiny_llm.engine import ATTENTION_BACKENDS, LLMEngine
 
     from bench_cpu_speed import workload as w32_workload
     from bench_week3_day5 import CONFIGS, FULL, MAX_NUM_SEQS, PAGE_SIZE
