@@ -5,11 +5,16 @@ Six short files, in the order a request passes through them:
 - ``config.py``: ``EngineConfig`` (every option, checked as a whole) and the registry of
   attention backends;
 - ``inputs.py``: ``InputProcessor``, a prompt and its parameters → a checked ``Request``;
-- ``core.py``: ``EngineCore``, one step = schedule → run → commit, all or nothing;
+- ``core.py``: ``EngineCore``, one step = schedule → run → commit, all or nothing (and the
+  engine's typed ``EngineStats`` and ``EngineLoad``);
 - ``runner.py``: ``ModelRunner``, the step's batch, the attention step, the forward and
-  sampling (the only code that runs a model, the draft model's included);
+  sampling, returned as a ``RunnerOutput`` (the only code that runs a model, the draft
+  model's included);
 - ``outputs.py``: ``OutputRouter`` and ``RequestStream``, each output to its request's owner;
 - ``llm_engine.py``: ``LLMEngine`` and ``LLM``, the front doors that wire the rest.
+
+Beside them: ``pool_size.py`` (how many pages the memory holds, decided at the build) and
+``generate.py`` (one request alone, without the scheduler: the batching oracle).
 """
 
 from tiny_llm.engine.config import (
