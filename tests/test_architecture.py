@@ -117,3 +117,17 @@ def test_no_import_circle():
     for module in graph:
         if state.get(module) is None:
             visit(module, [module])
+
+
+def test_nothing_tests_an_attention_backend_for_its_class():
+    """The engine and the kernels ask a backend through its protocol (``fused_decode``,
+    ``check``, ``storage``), never by its class: a new backend then needs no change there."""
+    from tiny_llm.engine import ATTENTION_BACKENDS
+
+    backends = {cls.__name__ for cls in ATTENTION_BACKENDS.values()}
+    for path in [*PACKAGE.glob("engine/*.py"), *PACKAGE.glob("kernels/*.py"),
+                 *PACKAGE.glob("models/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                assert not named & backends, f"{path.name}:{node.lineno} tests a backend's class"
