@@ -29,8 +29,8 @@ Each round, in turn (``--rounds``, default 3; medians):
   (``--int8-activations``): the decode rows rounded to int8 per 32 values, as llama.cpp
   does for its quantized formats, and multiplied by the packed weights as integers;
 - **the engine, as stored, layers op by op**: as stored with ``fused_layers=False``: each
-  decode step's layers as their sixteen ops each instead of one fused op (``cpu_fused.py``),
-  the same bits, to show what the fusion pays.
+  decode step's layers as their sixteen ops each instead of one fused op
+  (``kernels/cpu_fused.py``), the same bits, to show what the fusion pays.
 
 All use every core. The table gives each one's bytes per token next to its speed, and its
 decode step against the memory bound: those bytes once at the copy bandwidth measured in

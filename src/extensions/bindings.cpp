@@ -1,6 +1,6 @@
 // Python bindings of the ops (module tiny_llm._native._ext), by family: the paged ops always;
 // the model's CPU kernels (matmuls, layers, the fused decoder) except in the course's build
-// of a learner's copy, which the engine uses for the paged ops only (tiny_llm/extension.py).
+// of a learner's copy, which the engine uses for the paged ops only (tiny_llm/kernels/extension.py).
 #include <cstring>
 #include <stdexcept>
 

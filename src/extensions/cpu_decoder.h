@@ -1,4 +1,4 @@
-// A decode step's decoder layers in one call on the CPU (tiny_llm/cpu_fused.py).
+// A decode step's decoder layers in one call on the CPU (tiny_llm/kernels/cpu_fused.py).
 //
 // Op by op, one layer of a decode step is about sixteen MLX ops (two norms, the
 // projections, RoPE, the K/V write, attention, SwiGLU, two residual additions, reshapes),

@@ -54,7 +54,7 @@ void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int
 }  // namespace tiny_llm
 
 #if defined(__linux__)
-// MLX's own symbol: the OpenBLAS shim's when tiny_llm/blas.py has loaded it, else the
+// MLX's own symbol: the OpenBLAS shim's when tiny_llm/kernels/blas.py has loaded it, else the
 // reference BLAS of the mlx wheel. 101, 111, 112: CblasRowMajor, CblasNoTrans, CblasTrans.
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
                             float alpha, const float* a, int lda, const float* b, int ldb,

@@ -1,6 +1,6 @@
 // The CPU matmul of quantized linear layers: y [M, N] = x [M, K] @ W^T, where W is stored
 // in MLX's affine layout (what mx.quantize writes and what GGUF's Q4_1 / Q8_0 blocks become
-// in tiny_llm/loader.py): every `group` consecutive weights of a row share a scale s and a
+// in tiny_llm/models/loader.py): every `group` consecutive weights of a row share a scale s and a
 // bias b, W[n, k] = s * q[n, k] + b, the q packed `32 / bits` to a uint32 from its low bits.
 //
 // The decode kernel never dequantizes: per group it sums q * x, then adds s * that sum and

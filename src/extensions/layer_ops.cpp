@@ -23,7 +23,7 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
 }
 
 void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("Rope: GPU streams use mx.fast.rope (tiny_llm/model.py)");
+  throw std::runtime_error("Rope: GPU streams use mx.fast.rope (tiny_llm/models/model.py)");
 }
 
 void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -39,7 +39,7 @@ void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 }
 
 void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("SwiGLU: GPU streams use MLX's ops (tiny_llm/model.py)");
+  throw std::runtime_error("SwiGLU: GPU streams use MLX's ops (tiny_llm/models/model.py)");
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -55,7 +55,7 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
 }
 
 void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("RmsNorm: GPU streams use mx.fast.rms_norm (tiny_llm/cpu_kernels.py)");
+  throw std::runtime_error("RmsNorm: GPU streams use mx.fast.rms_norm (tiny_llm/kernels/cpu_kernels.py)");
 }
 
 bool Rope::is_equivalent(const mx::Primitive& other) const {

@@ -39,7 +39,7 @@ void Linear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 // ANCHOR_END: cpu_linear_eval
 
 void Linear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/cpu_kernels.py)");
+  throw std::runtime_error("Linear: GPU streams use MLX's matmul (tiny_llm/kernels/cpu_kernels.py)");
 }
 
 void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
@@ -66,7 +66,7 @@ void QuantizedLinear::eval_cpu(const std::vector<mx::array>& inputs,
 
 void QuantizedLinear::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
-      "QuantizedLinear: GPU streams use MLX's quantized_matmul (tiny_llm/cpu_kernels.py)");
+      "QuantizedLinear: GPU streams use MLX's quantized_matmul (tiny_llm/kernels/cpu_kernels.py)");
 }
 
 std::vector<mx::array> linear(const mx::array& x, const std::vector<mx::array>& weights,

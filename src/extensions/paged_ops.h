@@ -8,7 +8,7 @@
 //       every row takes the vector schedule (Day 4).
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
-//   Both take gpu_rehearsal (tiny_llm/device.py): on a CPU stream, decide as a GPU stream
+//   Both take gpu_rehearsal (tiny_llm/kernels/device.py): on a CPU stream, decide as a GPU stream
 //   does (the Metal launcher's checks and plan; MLX's scatter as the write), then compute
 //   on the CPU.
 //

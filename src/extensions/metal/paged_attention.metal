@@ -23,7 +23,7 @@
 using namespace metal;
 using namespace paged_geometry;
 
-// A course stub (tiny_llm/course.py) in place of a task's code. The host refuses to launch
+// A course stub (tiny_llm/course/tasks.py) in place of a task's code. The host refuses to launch
 // a kernel that holds one; the emulator stops with the task's message.
 #ifndef TINY_LLM_TASK_STUB
 #define TINY_LLM_TASK_STUB(message)

@@ -5,7 +5,7 @@ importing ``tiny_llm.day3_paged_kv`` loads ``<workspace>/tiny_llm/day3_paged_kv.
 learner has started Day 3, and the reference module otherwise. Nothing else changes: the
 engine, the tests, the benchmarks and the chat import the days as always, so they all run
 on the learner's code, mixed with the reference for the days not started. The kernel
-extension follows the same rule (``extension.py``: ``<workspace>/extensions``).
+extension follows the same rule (``kernels/extension.py``: ``<workspace>/extensions``).
 
 The switch is read when a course module is first imported, so it must be set before:
 ``pytest --learner`` and ``tiny-llm ... --learner`` set it early; ``import tiny_llm`` alone

@@ -40,7 +40,8 @@ import numpy as np
 # ANCHOR: kernel_settings
 @dataclass(frozen=True)
 class KernelSettings:
-    """Which of the extension's CPU kernels a runner's forward takes (``cpu_kernels.py``)."""
+    """Which of the extension's CPU kernels a runner's forward takes
+    (``kernels/cpu_kernels.py``)."""
 
     cpu_kernels: bool = True  # matmuls, norms, RoPE, SwiGLU; False: MLX's ops
     int8_activations: bool = False  # quantized layers' decode rows in int8

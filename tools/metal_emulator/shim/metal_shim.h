@@ -811,7 +811,7 @@ struct Registrar {
 // attribute's name, as MLX's generated kernels do.
 #define MTL_EMU_POS(k) ]] = ::mtl_emu::pos_arg[::mtl_emu::k + ::mtl_emu::zero[0
 #define max_total_threads_per_threadgroup(n)
-// A course stub stops the run with the task's message (see tiny_llm/course.py).
+// A course stub stops the run with the task's message (see tiny_llm/course/tasks.py).
 #define TINY_LLM_TASK_STUB(message) ::mtl_emu::fail(::mtl_emu::kErrOther, message)
 
 #define HALF_MAX 65504.0f
