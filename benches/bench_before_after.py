@@ -22,6 +22,8 @@ Reported per workload and configuration: output tok/s of each tree (median), aft
 and whether every request's greedy tokens are the base's.
 
     python benches/bench_before_after.py --base 1cd6b45   # about 15 minutes on 2 cores
+    python benches/bench_before_after.py --quick          # the uncommitted change against
+                                                          # HEAD, tiny model, small workloads
 """
 
 from __future__ import annotations
@@ -69,25 +71,27 @@ def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
                 tokens=[tokens[i] for i in ids], workload=workload)
 
 
-def worker() -> None:
+def worker(quick: bool) -> None:
     """Serve every workload on the ``tiny_llm`` that PYTHONPATH names, with the workloads of
-    the benchmarks ``TINY_LLM_BENCHES`` names; print JSON."""
+    the benchmarks ``TINY_LLM_BENCHES`` names (``quick``: their quick ones, on their tiny
+    model); print JSON."""
     # Names every tree since the engine package has (this function serves any base).
     import tiny_llm
     from tiny_llm.day3_paged_kv import blocks_needed
     from tiny_llm.engine import ATTENTION_BACKENDS, LLMEngine
 
     from bench_cpu_speed import workload as w32_workload
-    from bench_week3_day5 import CONFIGS, FULL, MAX_NUM_SEQS, PAGE_SIZE
+    from bench_week3_day5 import CONFIGS, FULL, MAX_NUM_SEQS, PAGE_SIZE, QUICK
     from bench_week3_day5 import workload as progression_workload
     from common import load_model, use_cpu
 
     use_cpu()
-    model, tokenizer, _ = load_model(quick=False)
+    model, tokenizer, _ = load_model(quick)
     results = {"src": str(Path(tiny_llm.__file__).parent)}
-    prompts, outputs = w32_workload(False, model.config.vocab_size)
+    prompts, outputs = w32_workload(quick, model.config.vocab_size)
     results[W32] = serve(LLMEngine(model, tokenizer), prompts, outputs)
-    prompts, outputs = progression_workload(FULL, model.config.vocab_size)
+    sizes = QUICK if quick else FULL
+    prompts, outputs = progression_workload(sizes, model.config.vocab_size)
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
     num_pages = MAX_NUM_SEQS * blocks_needed(longest, PAGE_SIZE)
     for label, opts in CONFIGS:
@@ -95,15 +99,16 @@ def worker() -> None:
             opts = dict(opts, attention=FORMER_NAMES[opts["attention"]])
         paged = dict(num_pages=num_pages) if opts.get("kv_cache", "paged") == "paged" else {}
         engine = LLMEngine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS,
-                           max_model_len=FULL["max_model_len"], **paged, **opts)
+                           max_model_len=sizes["max_model_len"], **paged, **opts)
         results[label] = serve(engine, prompts, outputs)
     print(json.dumps(results))
 
 
-def run_tree(src: Path) -> dict[str, Any]:
+def run_tree(src: Path, quick: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0",
            BENCHES_ENV: str(src.parent / "benches")}
-    out = subprocess.run([sys.executable, __file__, "--worker"], env=env, check=True,
+    command = [sys.executable, __file__, "--worker", *(["--quick"] if quick else [])]
+    out = subprocess.run(command, env=env, check=True,
                          stdout=subprocess.PIPE, text=True).stdout  # stderr: the console
     result = json.loads(out.strip().splitlines()[-1])
     if Path(result["src"]) != src / "tiny_llm":
@@ -140,7 +145,8 @@ def base_tree(base: str, root: Path) -> Path:
 
 def main() -> None:
     ap = bench_parser(__doc__)
-    ap.add_argument("--base", required=True, help="the commit to compare against")
+    ap.add_argument("--base", default="HEAD",
+                    help="the commit to compare against (default HEAD: the uncommitted change)")
     args = ap.parse_args()
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO_ROOT,
                               check=True, capture_output=True, text=True).stdout.strip()
@@ -152,7 +158,7 @@ def main() -> None:
             for r in range(args.rounds):
                 order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
                 for side in order:
-                    rounds[side].append(run_tree(trees[side]))
+                    rounds[side].append(run_tree(trees[side], args.quick))
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")],
@@ -177,16 +183,18 @@ def main() -> None:
         headers=["workload / configuration", "before tok/s", "after tok/s", "after / before",
                  "same tokens"],
         rows=rows, formats=["", ".1f", ".1f", ".3f", ""],
-        note=("SmolLM2-135M-Instruct (float32) on the CPU; W32: 32 requests at t=0 "
-              "(bench_cpu_speed's workload), default engine; the other rows: "
-              "bench_week3_day5's progression workload (16 requests) per configuration. Each "
-              "tree in its own process, the two alternating every round; medians; same "
-              "tokens: every request's greedy tokens equal in every round of both trees."))
-    save_results(NAME, dict(base=base_rev, results=data), [table], rounds=args.rounds)
+        note=(("A tiny random model (--quick: the scripts' quick workloads)" if args.quick
+               else "SmolLM2-135M-Instruct (float32)") + " on the CPU; W32: "
+              "bench_cpu_speed's serving workload, all at t=0, default engine; the other rows: "
+              "bench_week3_day5's progression workload per configuration. Each tree in its "
+              "own process, the two alternating every round; medians; same tokens: every "
+              "request's greedy tokens equal in every round of both trees."))
+    save_results(NAME + ("_quick" if args.quick else ""), dict(base=base_rev, results=data),
+                 [table], rounds=args.rounds)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker()
+        worker("--quick" in sys.argv)
     else:
         main()

@@ -22,13 +22,14 @@ BENCHES = sorted((ROOT / "benches").glob("bench_*.py"))
 COMMON_OPTIONS = ("--quick", "--rounds", "--learner", "--results-dir")  # common.bench_parser
 # Scripts that run whole here: every chapter's (the model's, the days', speculation, MoE,
 # serving, tensor parallelism) and the performance appendix's, bench_vs_llama_cpp in its own
-# test below. Not bench_before_after, which measures two commits of the engine with these
-# same scripts, nor bench_blas_threads, which spins a neighbour on a core for minutes to
-# measure OpenBLAS beside it (both run under --help above).
+# test below, and bench_before_after (the working tree against HEAD, in a git worktree). Not
+# bench_blas_threads, which spins a neighbour on a core for minutes to measure OpenBLAS
+# beside it (it runs under --help above).
 QUICK_RUNS = ["bench_model", "bench_week3_day1", "bench_week3_day2", "bench_week3_day3",
               "bench_week3_day4", "bench_week3_day5", "bench_week3_speculative",
               "bench_week3_moe", "bench_structured", "bench_serve", "bench_serve_soak",
-              "bench_tensor_parallel", "bench_cpu_speed", "bench_cpu_decode"]
+              "bench_tensor_parallel", "bench_cpu_speed", "bench_cpu_decode",
+              "bench_before_after"]
 
 
 def run_quick(name: str, results: Path, env: dict[str, str] | None = None,
