@@ -596,7 +596,7 @@ def gather_cost(sz: dict[str, Any], rounds: int, num_layers: int = 30
                 chunks=[], token_ids=mx.zeros((batch,), mx.int32),
                 positions=mx.full((batch,), ctx - 1, mx.int32),
                 query_start_loc=list(range(batch + 1)), context_lens=[ctx] * batch,
-                logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], num_logits=[], drafts=[],
+                logit_rows=mx.arange(batch, dtype=mx.int32), sampling=[], drafts=[],
                 decode_rows=batch,
                 kv=PagedLayout(tables, mx.array(slot_mapping, dtype=mx.int32),
                                block_table(tables, pages_per_seq),

@@ -287,18 +287,17 @@ class SpeculativeDecoding:
         params = request.params
         target = np.stack([distribution(logits[i], params, self.vocab)
                            for i in range(len(drafts) + 1)])
-        q = drafts.probs
-        drafts = list(drafts.tokens)
+        tokens, q = list(drafts.tokens), drafts.probs
         if q is None or params.greedy:  # deterministic proposal: one-hot on each draft
-            q = np.zeros((len(drafts), self.vocab))
-            q[np.arange(len(drafts)), drafts] = 1.0
-        n, bonus = speculative_accept(drafts, target, q, request.sampler.rng)
-        self.counters["num_draft_tokens"] += len(drafts)
+            q = np.zeros((len(tokens), self.vocab))
+            q[np.arange(len(tokens)), tokens] = 1.0
+        n, bonus = speculative_accept(tokens, target, q, request.sampler.rng)
+        self.counters["num_draft_tokens"] += len(tokens)
         self.counters["num_accepted_tokens"] += n
         self.counters["num_verify_steps"] += 1
         self.acceptance_histogram += [0] * (n + 1 - len(self.acceptance_histogram))
         self.acceptance_histogram[n] += 1
-        return Verified([*drafts[:n], bonus], len(drafts))
+        return Verified([*tokens[:n], bonus], len(tokens))
 
     def stats(self) -> dict[str, Any]:
         """Counters; ``mean_acceptance_length``: drafts kept per verification step."""

@@ -228,7 +228,7 @@ def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBat
         chunks=[ScheduledChunk(None, start, end) for start, end in header["chunks"]],
         token_ids=token_ids, positions=positions,
         query_start_loc=header["query_start_loc"], context_lens=header["context_lens"],
-        logit_rows=mx.array([], dtype=mx.int32), sampling=[], num_logits=[], drafts=[],
+        logit_rows=mx.array([], dtype=mx.int32), sampling=[], drafts=[],
         decode_rows=header["decode_rows"],
         kv=PagedLayout(tables, slot_mapping, block_table, context_lens, query_start_loc))
 # ANCHOR_END: step_message

@@ -85,12 +85,17 @@ class StepBatch:
     context_lens: list[int]  # [B]
     logit_rows: mx.array  # int32 [R]: the rows whose logits the step needs
     sampling: list[Request]  # the requests that sample after this step ...
-    num_logits: list[int]  # ... how many of the logit rows are each one's (in order) ...
-    drafts: list[Drafts | None]  # ... and the drafts those rows verify (None: one row)
+    drafts: list[Drafts | None]  # ... and the drafts their logit rows verify (None: one row)
     decode_rows: int  # the leading sequences of one row that samples (decodes)
     kv: PagedLayout | DenseLayout | None  # what the KV storage lays out (None: nothing)
     # After the sampling rows: each scored request's prompt positions, a logit row each
     scored: list[tuple[Request, range]] = field(default_factory=list)
+
+    @property
+    def num_logits(self) -> list[int]:
+        """How many of the logit rows are each sampling request's, in order: one, and one
+        more per draft it verifies."""
+        return [1 + (len(d) if d is not None else 0) for d in self.drafts]
 
     @property
     def decode_only(self) -> bool:
@@ -107,7 +112,7 @@ class StepBatch:
         positions: list[int] = []
         query_start_loc = [0]
         logit_rows: list[int] = []
-        sampling, num_logits, verified = [], [], []
+        sampling, verified = [], []
         for chunk in chunks:
             req, drafts = chunk.request, chunk.num_drafts
             token_ids += req.token_ids_between(chunk.start, chunk.end - drafts)
@@ -117,7 +122,6 @@ class StepBatch:
             if chunk.end - drafts >= req.num_tokens:  # it reaches the end: sample what follows
                 logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
                 sampling.append(req)
-                num_logits.append(drafts + 1)
                 verified.append(chunk.drafts)
         scored = []
         for chunk, first_row in zip(chunks, query_start_loc[:-1], strict=True):
@@ -138,7 +142,6 @@ class StepBatch:
             [c.end for c in chunks],
             mx.array(logit_rows, dtype=mx.int32),
             sampling,
-            num_logits,
             verified,
             decodes,
             kv,
