@@ -305,7 +305,7 @@ BODIES: dict[str, list[str]] = {
         // One column of acc at a time: every key's weighted value in turn.
         for (int d = 0; d < D; ++d) {
           float column = acc[d] * rescale;
-          for (int t = 0; t < n; ++t) column = fma1(score[t], v[t * stride + d], column);
+          for (int t = 0; t < n; ++t) column = fma(score[t], v[t * stride + d], column);
           acc[d] = column;
         }
         """,

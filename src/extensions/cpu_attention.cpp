@@ -10,10 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__FMA__)
-#include <immintrin.h>
-#endif
-
+#include "cpu_simd.h"
 #include "mlx/types/half_types.h"
 #include "worker_pool.h"
 
@@ -26,89 +23,17 @@ namespace {
 constexpr float kFloatMax = std::numeric_limits<float>::max();
 
 // ANCHOR: cpu_tuned_fold
-// Eight floats as one value (GCC's and Clang's vector extension): arithmetic on it runs
-// lane by lane, in one vector register where the CPU has them.
-typedef float Lanes8 __attribute__((vector_size(32)));
-
-inline Lanes8 load8(const float* p) {
-  Lanes8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// a * b + c, rounded once where the x86 CPU has fused multiply-adds (fma8 for eight lanes,
-// fma1 for one). Spelled out there: `c + a * b` leaves the fusing to the compiler, whose
-// choice depends on the CPU it tunes for (on a Zen 3, -march=native fused fewer than
-// -mavx2 -mfma, and the two builds' bits differed). Elsewhere (NEON, the plain build) the
-// compiler's contraction, as before.
-inline Lanes8 fma8(Lanes8 a, Lanes8 b, Lanes8 c) {
-#if defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  return c + a * b;
-#endif
-}
-
-inline float fma1(float a, float b, float c) {
-#if defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return c + a * b;
-#endif
-}
+using namespace simd;  // Lanes8 and its operations (cpu_simd.h)
 
 // A query row against a key row: lane j sums the d with d % 8 == j in increasing d, the
 // lanes are added in a fixed tree, then the last D % 8 products in order.
-inline float sum_tree(Lanes8 part) {
-  return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
-}
-
 inline float dot(const float* a, const float* b, int D) {
   Lanes8 part = {};
   int d = 0;
-  for (; d + 8 <= D; d += 8) part = fma8(load8(a + d), load8(b + d), part);
+  for (; d + 8 <= D; d += 8) part = fma(load8(a + d), load8(b + d), part);
   float sum = sum_tree(part);
-  for (; d < D; ++d) sum = fma1(a[d], b[d], sum);
+  for (; d < D; ++d) sum = fma(a[d], b[d], sum);
   return sum;
-}
-
-typedef int32_t Ints8 __attribute__((vector_size(32)));
-
-// Lanes I... of the sixteen lanes of x then y.
-template <int... I>
-inline Lanes8 pick(Lanes8 x, Lanes8 y) {
-#if defined(__clang__) || __GNUC__ >= 12
-  return __builtin_shufflevector(x, y, I...);
-#else
-  return __builtin_shuffle(x, y, Ints8{I...});
-#endif
-}
-
-// sum_tree of eight vectors at once (a[0..3], then b[0..3]); lane i is vector i's sum.
-// The same additions of the same lanes as sum_tree, done across the vectors: seven vector
-// additions of shuffled lanes, where eight sum_trees make 56 additions of single lanes.
-[[maybe_unused]] inline Lanes8 sum_tree8(const Lanes8* a, const Lanes8* b) {
-  auto halves = [](Lanes8 x, Lanes8 y) {  // lane j + lane j + 4, of x then of y
-    return pick<0, 1, 2, 3, 8, 9, 10, 11>(x, y) + pick<4, 5, 6, 7, 12, 13, 14, 15>(x, y);
-  };
-  auto quarters = [](Lanes8 x, Lanes8 y) {  // then (0+4)+(2+6) and (1+5)+(3+7) of each
-    return pick<0, 1, 4, 5, 8, 9, 12, 13>(x, y) + pick<2, 3, 6, 7, 10, 11, 14, 15>(x, y);
-  };
-  const Lanes8 x = quarters(halves(a[0], a[1]), halves(a[2], a[3]));
-  const Lanes8 y = quarters(halves(b[0], b[1]), halves(b[2], b[3]));
-  return pick<0, 2, 4, 6, 8, 10, 12, 14>(x, y) + pick<1, 3, 5, 7, 9, 11, 13, 15>(x, y);
-}
-
-// The value itself, made to live in a register: GCC otherwise folds the load into each
-// multiply-add that uses it (a key's vector into every pair's), and the loads, not the
-// multiply-adds, then set the pace.
-[[maybe_unused]] inline Lanes8 in_register(Lanes8 a) {
-#if defined(__AVX512VL__)
-  asm("" : "+v"(a));  // any of the 32 vector registers
-#elif defined(__AVX__)
-  asm("" : "+x"(a));
-#endif
-  return a;
 }
 
 // exp of eight lanes at once (Cephes' single-precision polynomial, within about 2 ulp of
@@ -170,11 +95,11 @@ inline void fold_page(const float* q, const float* k, const float* v,
       for (int x = 0; x < P; ++x) {
         const Lanes8 qv = in_register(load8(q + x * D + d));  // used four times
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) part[x][i] = fma8(qv, key[i], part[x][i]);
+        for (int i = 0; i < 4; ++i) part[x][i] = fma(qv, key[i], part[x][i]);
       }
     }
-    for (int x = 0; x < P; x += 2) {  // two pairs' sums in one sum_tree8
-      const Lanes8 sums = sum_tree8(part[x], part[x + 1 < P ? x + 1 : x]);
+    for (int x = 0; x < P; x += 2) {  // two pairs' sums in one sum_trees8
+      const Lanes8 sums = sum_trees8(part[x], part[x + 1 < P ? x + 1 : x]);
       if (d == D) {  // no columns past the vectors: the scores as they are, four a pair
         float four[8];
         std::memcpy(four, &sums, sizeof four);
@@ -185,7 +110,7 @@ inline void fold_page(const float* q, const float* k, const float* v,
       for (int y = x; y < std::min(x + 2, P); ++y)
         for (int i = 0; i < 4; ++i) {
           float sum = sums[4 * (y - x) + i];
-          for (int e = d; e < D; ++e) sum = fma1(q[y * D + e], k[(t + i) * stride + e], sum);
+          for (int e = d; e < D; ++e) sum = fma(q[y * D + e], k[(t + i) * stride + e], sum);
           score[y * score_len + t + i] = sum;
         }
     }
@@ -240,7 +165,7 @@ inline void fold_page(const float* q, const float* k, const float* v,
       for (int x = 0; x < P; ++x) {
         const Lanes8 p = score[x * score_len + t] - Lanes8{};  // in every lane (x - 0 is x)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) a[x][c] = fma8(p, value[c], a[x][c]);
+        for (int c = 0; c < C; ++c) a[x][c] = fma(p, value[c], a[x][c]);
       }
     }
     for (int x = 0; x < P; ++x) std::memcpy(acc + x * D + d, a[x], sizeof a[x]);
@@ -249,13 +174,13 @@ inline void fold_page(const float* q, const float* k, const float* v,
     for (int x = 0; x < P; ++x) {
       Lanes8 a = load8(acc + x * D + d) * correction[x];
       for (t = 0; t < n; ++t)
-        a = fma8(score[x * score_len + t] - Lanes8{}, load8(v + t * stride + d), a);
+        a = fma(score[x * score_len + t] - Lanes8{}, load8(v + t * stride + d), a);
       std::memcpy(acc + x * D + d, &a, sizeof a);
     }
   for (; d < D; ++d)
     for (int x = 0; x < P; ++x) {
       float a = acc[x * D + d] * correction[x];
-      for (t = 0; t < n; ++t) a = fma1(score[x * score_len + t], v[t * stride + d], a);
+      for (t = 0; t < n; ++t) a = fma(score[x * score_len + t], v[t * stride + d], a);
       acc[x * D + d] = a;
     }
 }
@@ -285,7 +210,7 @@ inline void fold_page(const float* q, const float* k, const float* v,
   for (int t = 0; t < n; ++t) {
     const float p = std::exp(score[t] - new_m);
     *l += p;
-    for (int d = 0; d < D; ++d) acc[d] = fma1(p, v[t * stride + d], acc[d]);
+    for (int d = 0; d < D; ++d) acc[d] = fma(p, v[t * stride + d], acc[d]);
   }
   // END TASK
 }

@@ -7,10 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
+#include "cpu_simd.h"
 #include "worker_pool.h"
 
 namespace tiny_llm {
@@ -19,73 +16,13 @@ namespace {
 
 constexpr int kLanes = 8;
 
-// ANCHOR: cpu_linear_vec
+using namespace simd;  // Lanes8 and its operations (cpu_simd.h)
+
 // Which lanes of a vector starting at k hold elements 0 <= k + lane < K: the first and
 // last vectors of a row can be partial.
 struct LaneRange {
   int lo, hi;  // lanes lo .. hi - 1
 };
-
-// Eight float lanes: AVX2 registers where the compiler targets them, plain arrays (which
-// the compiler vectorises for NEON or SSE) elsewhere.
-#if defined(__AVX2__) && defined(__FMA__)
-struct Vec8 {
-  __m256 v;
-  static Vec8 zero() { return {_mm256_setzero_ps()}; }
-  static Vec8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static Vec8 load(const float* p, LaneRange r) {  // never touches the lanes outside r
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(r.lo - 1)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(r.hi), lane));
-    return {_mm256_maskload_ps(p, in)};
-  }
-  void fma(Vec8 a, Vec8 b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
-  // The value itself, made to live in a register: GCC otherwise folds a load into every
-  // multiply-add of a tile (12 loads a step of the 4 x 3 tile instead of 7), and the loads,
-  // not the multiply-adds, then set the pace.
-  static Vec8 in_register(Vec8 a) {
-#if defined(__AVX512VL__)
-    asm("" : "+v"(a.v));  // any of the 32 vector registers
-#else
-    asm("" : "+x"(a.v));
-#endif
-    return a;
-  }
-  // Lane l (after the rotation) is residue class l; sum (0+4)+(2+6) + (1+5)+(3+7).
-  float sum(int rotation) const {
-    const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i from = _mm256_and_si256(
-        _mm256_add_epi32(order, _mm256_set1_epi32(kLanes - rotation)), _mm256_set1_epi32(7));
-    const __m256 r = _mm256_permutevar8x32_ps(v, from);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
-#else
-struct Vec8 {
-  float v[kLanes];
-  static Vec8 zero() { return {}; }
-  static Vec8 load(const float* p) { return load(p, {0, kLanes}); }
-  static Vec8 load(const float* p, LaneRange r) {
-    Vec8 out{};
-    for (int i = r.lo; i < r.hi; ++i) out.v[i] = p[i];
-    return out;
-  }
-  void fma(const Vec8& a, const Vec8& b) {
-    for (int i = 0; i < kLanes; ++i) v[i] = std::fma(a.v[i], b.v[i], v[i]);
-  }
-  static Vec8 in_register(const Vec8& a) { return a; }
-  float sum(int rotation) const {
-    float r[kLanes], s[4];
-    for (int i = 0; i < kLanes; ++i) r[i] = v[(i + kLanes - rotation) % kLanes];
-    for (int i = 0; i < 4; ++i) s[i] = r[i] + r[i + 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
-  }
-};
-#endif
-// ANCHOR_END: cpu_linear_vec
 
 // ANCHOR: cpu_linear_plan
 // Every dot product y[m, n] has one definition: lane l accumulates x[k] * w[k] for the k
@@ -123,31 +60,30 @@ inline LaneRange lanes_at(const DotPlan& plan, int64_t k) {
 // its own accumulator, so the tile's shape never changes a result. The loops over the tile
 // are unrolled whole (MR, NR <= 8), so that acc lives in registers rather than memory.
 template <int MR, int NR>
-inline void tile_step(const float* x, const float* w, int64_t K, int64_t k, Vec8 (&acc)[MR][NR],
+inline void tile_step(const float* x, const float* w, int64_t K, int64_t k, Lanes8 (&acc)[MR][NR],
                       const LaneRange* partial) {
-  Vec8 wv[NR];
+  auto load = [partial](const float* p) {
+    return partial ? load8(p, partial->lo, partial->hi) : load8(p);
+  };
+  Lanes8 wv[NR];
 #pragma GCC unroll 8
   for (int j = 0; j < NR; ++j) {
-    wv[j] = partial ? Vec8::load(w + j * K + k, *partial) : Vec8::load(w + j * K + k);
-    if constexpr (MR > 1) wv[j] = Vec8::in_register(wv[j]);  // used MR times
+    wv[j] = load(w + j * K + k);
+    if constexpr (MR > 1) wv[j] = in_register(wv[j]);  // used MR times
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    Vec8 xv = partial ? Vec8::load(x + i * K + k, *partial) : Vec8::load(x + i * K + k);
-    if constexpr (NR > 1) xv = Vec8::in_register(xv);  // used NR times
+    Lanes8 xv = load(x + i * K + k);
+    if constexpr (NR > 1) xv = in_register(xv);  // used NR times
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j].fma(xv, wv[j]);
+    for (int j = 0; j < NR; ++j) acc[i][j] = fma(xv, wv[j], acc[i][j]);
   }
 }
 
 template <int MR, int NR>
 inline void tile(const float* x, const float* w, float* y, int64_t ldy, const DotPlan& plan) {
   const int64_t K = plan.K;
-  Vec8 acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = Vec8::zero();
+  Lanes8 acc[MR][NR] = {};
   int64_t k = plan.first;
   const int64_t end = plan.first + plan.count * kLanes;
   const LaneRange head = lanes_at(plan, k);
@@ -167,14 +103,14 @@ inline void tile(const float* x, const float* w, float* y, int64_t ldy, const Do
     tile_step<MR, NR>(x, w, K, k, acc, &tail);
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = acc[i][j].sum(plan.rotation);
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = sum_tree(rotate(acc[i][j], plan.rotation));
 }
 // ANCHOR_END: cpu_linear_tile
 
 // MR x NR accumulators, NR weight vectors and one x vector must all stay in registers: with
 // AVX-512's 32 vector registers an 8 x 3 tile (28 of them) reuses each weight vector twice as
 // often as a 4 x 3 one, which pays from 8 rows on.
-// AVX2 (16 registers) and the plain code (on NEON a Vec8 takes two of its 32) keep to 4 x 3.
+// AVX2 (16 registers) and the plain code (on NEON a Lanes8 takes two of its 32) keep to 4 x 3.
 // The bits are the same either way.
 #if defined(__AVX512VL__)
 constexpr int kTileRows = 8;     // MR: rows of x per tile

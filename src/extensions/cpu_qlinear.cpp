@@ -112,7 +112,7 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
 namespace {
 
 // out[2j] = a[j] and out[2j + 1] = b[j] for the sixteen lanes: 32 floats.
-LANES_INLINE void store_interleaved(const F16& a, const F16& b, float* out) {
+SIMD_INLINE void store_interleaved(const F16& a, const F16& b, float* out) {
 #if defined(__AVX512F__)
   const FloatPart x = a.part[0], y = b.part[0];
 #if defined(__clang__) || __GNUC__ >= 12

@@ -54,7 +54,7 @@ class StagedRows {
 // One group of one weight row against MR rows of x: v[i] = the lane-wise sum of q * x over
 // the group's packed bytes, in order; the bytes are widened once for all MR rows.
 template <int MR, int BITS>
-LANES_INLINE void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (&v)[MR]) {
+SIMD_INLINE void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks, F16 (&v)[MR]) {
   for (int i = 0; i < MR; ++i) v[i] = F16{};
   for (int c = 0; c < chunks; ++c, w += kBytesPerChunk) {
     const I16 q = load_bytes(w);
@@ -75,7 +75,7 @@ LANES_INLINE void group_sums(const uint8_t*& w, const F16* (&x)[MR], int chunks,
 
 // bias[i] = the lane-wise b_g * sum_g(x) of row i over a weight row's groups, 16 at a time.
 template <int MR, typename S>
-LANES_INLINE void bias_terms(const S* biases, const F16* const* sums, int64_t groups,
+SIMD_INLINE void bias_terms(const S* biases, const F16* const* sums, int64_t groups,
                        F16 (&bias)[MR]) {
   for (int i = 0; i < MR; ++i) bias[i] = F16{};
   for (int64_t j = 0; j * 16 < groups; ++j) {

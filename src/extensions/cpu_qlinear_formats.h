@@ -57,7 +57,7 @@ inline float to_float(BFloat16Bits v) {  // the top half of a float32's bits
 
 // load_floats of values stored narrower: the first `count` (1 .. 16), widened.
 template <typename S>
-LANES_INLINE F16 load_floats(const S* p, int count) {
+SIMD_INLINE F16 load_floats(const S* p, int count) {
   static_assert(sizeof(S) == 2, "float32 values take load_floats(const float*, int)");
   F16 out{};
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -90,7 +90,7 @@ LANES_INLINE F16 load_floats(const S* p, int count) {
 #if defined(__AVX2__)
 // The first N (2 or 4) values at p as floats in the low lanes (nothing past them is read).
 template <int N, typename S>
-LANES_INLINE __m128 first_values(const S* p) {
+SIMD_INLINE __m128 first_values(const S* p) {
   static_assert(N == 2 || N == 4, "two or four values");
   if constexpr (std::is_same_v<S, float>) {
     if constexpr (N == 4) return _mm_loadu_ps(p);

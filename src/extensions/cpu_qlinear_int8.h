@@ -105,7 +105,7 @@ class Int8Rows {
   // Lane k of a unit: the scale (or any per-group value) of the weight group lane k reads,
   // from the unit's first group's at `first` (GROUPS of them, see kSpanning below).
   template <int GROUPS, typename S>
-  LANES_INLINE FloatPart unit_values(const S* first) const {
+  SIMD_INLINE FloatPart unit_values(const S* first) const {
     if constexpr (GROUPS <= 1) {
       return to_float(*first) - FloatPart{};  // in every lane (exact, -0.0 included)
     } else {
@@ -142,7 +142,7 @@ struct WeightUnit {
 };
 
 template <int BITS>
-LANES_INLINE WeightUnit unpack(const uint8_t* w) {
+SIMD_INLINE WeightUnit unpack(const uint8_t* w) {
   const __m512i bytes = _mm512_loadu_si512(w);
   if constexpr (BITS == 8) return {{bytes, bytes}};
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -151,7 +151,7 @@ LANES_INLINE WeightUnit unpack(const uint8_t* w) {
 
 // Lane k: the sum of the products of bytes 4k .. 4k + 3 with the staged xq (vpdpbusd).
 template <int BITS>
-LANES_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
+SIMD_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
   __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.part[0], _mm512_loadu_si512(xq));
   if constexpr (BITS == 4)
     sum = _mm512_dpbusd_epi32(sum, w.part[1], _mm512_loadu_si512(xq + kUnitBytes));
@@ -168,7 +168,7 @@ struct WeightUnit {
 };
 
 template <int BITS>
-LANES_INLINE WeightUnit unpack(const uint8_t* w) {
+SIMD_INLINE WeightUnit unpack(const uint8_t* w) {
   WeightUnit out;
   for (int h = 0; h < kPieces; ++h) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * h));
@@ -186,7 +186,7 @@ LANES_INLINE WeightUnit unpack(const uint8_t* w) {
 
 // Lane k: the sum of the products of bytes 4k .. 4k + 3 with the staged xq.
 template <int BITS>
-LANES_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
+SIMD_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
   const __m256i ones = _mm256_set1_epi16(1);
   auto pairs = [](__m256i bytes, const int8_t* x) {  // two bytes' products per int16 lane
     return _mm256_maddubs_epi16(bytes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -214,7 +214,7 @@ struct WeightUnit {
 };
 
 template <int BITS>
-LANES_INLINE WeightUnit unpack(const uint8_t* w) {
+SIMD_INLINE WeightUnit unpack(const uint8_t* w) {
   WeightUnit out;
   for (int j = 0; j < kUnitBytes; ++j) {
     out.part[0][j] = BITS == 4 ? w[j] & 15 : w[j];
@@ -224,7 +224,7 @@ LANES_INLINE WeightUnit unpack(const uint8_t* w) {
 }
 
 template <int BITS>
-LANES_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
+SIMD_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
   IntPart sum = {};
   for (int p = 0; p < (BITS == 4 ? 2 : 1); ++p)
     for (int j = 0; j < kUnitBytes; ++j)
@@ -235,7 +235,7 @@ LANES_INLINE IntPart products(const WeightUnit& w, const int8_t* xq) {
 
 // Calls fn(std::integral_constant<int, P>) for the parts P = 0 .. kParts - 1 in order.
 template <typename Fn, int... P>
-LANES_INLINE void each_part(Fn&& fn, std::integer_sequence<int, P...>) {
+SIMD_INLINE void each_part(Fn&& fn, std::integer_sequence<int, P...>) {
   (fn(std::integral_constant<int, P>{}), ...);
 }
 
@@ -248,7 +248,7 @@ constexpr int kSpanning = 0;
 // `groups` apart), into part P of acc: acc += (float(sum of q * xq) * sx) * sw, lane by
 // lane. A row's last unit, part of one, takes part_unit below.
 template <int MR, int NR, int BITS, int GROUPS, int P, typename S>
-LANES_INLINE void int8_unit(const Int8Rows& rows, const int8_t* const (&xq)[MR],
+SIMD_INLINE void int8_unit(const Int8Rows& rows, const int8_t* const (&xq)[MR],
                             const FloatPart* const (&sx)[MR], const uint8_t* w,
                             int64_t row_bytes, const S* scales, int64_t groups,
                             F16 (&acc)[MR][NR]) {
@@ -258,7 +258,7 @@ LANES_INLINE void int8_unit(const Int8Rows& rows, const int8_t* const (&xq)[MR],
     const FloatPart sw = rows.unit_values<GROUPS>(scales + r * groups);
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i)
-      acc[i][r].part[P] = fma_part(
+      acc[i][r].part[P] = fma(
           __builtin_convertvector(products<BITS>(weights, xq[i]), FloatPart) * *sx[i], sw,
           acc[i][r].part[P]);
   }
