@@ -48,6 +48,7 @@ from typing import Any
 from tiny_llm.models.model import MLP, Model, ModelConfig
 from tiny_llm.moe import SparseMoeBlock
 from tiny_llm.step.batch import PagedLayout, ScheduledChunk, StepBatch
+from tiny_llm.step.request import SequenceState
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -218,6 +219,14 @@ def step_message(batch: StepBatch) -> tuple[dict[str, Any], list[np.ndarray]]:
     # END TASK
 
 
+class Rank0Sequence(SequenceState):
+    """A sequence as a worker sees it: its step's tokens arrive in the step's arrays, and
+    everything else about it (its tokens so far, its sampling, its pages) stays on rank 0."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+
 def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBatch:
     """The worker's copy of rank 0's step: the same rows, pages and layout (the tables
     are the block table's rows up to their first -1)."""
@@ -225,7 +234,7 @@ def step_of_message(header: dict[str, Any], arrays: list[np.ndarray]) -> StepBat
     token_ids, positions, slot_mapping, block_table, context_lens, query_start_loc = (
         mx.array(a) for a in arrays)
     return StepBatch(
-        chunks=[ScheduledChunk(None, start, end) for start, end in header["chunks"]],
+        chunks=[ScheduledChunk(Rank0Sequence(), start, end) for start, end in header["chunks"]],
         token_ids=token_ids, positions=positions,
         query_start_loc=header["query_start_loc"], context_lens=header["context_lens"],
         logit_rows=mx.array([], dtype=mx.int32), sampling=[], drafts=[],
