@@ -322,10 +322,10 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_model, smollm_tok
 
 
 def test_speculation_switches_off_when_the_batch_is_full(tiny_model, smollm_tokenizer):
-    from tiny_llm.speculative import SpeculationPolicy
+    from tiny_llm.speculative import SpeculationPolicy, TokenTree
 
-    policy = SpeculationPolicy(num_speculative_tokens=4, max_batch=2)
-    assert [policy.k(n) for n in (1, 2, 3, 16)] == [4, 4, 0, 0]
+    policy = SpeculationPolicy(TokenTree.chain(4), max_batch=2)
+    assert [policy.tree_for(n) for n in (1, 2, 3, 16)] == [TokenTree.chain(4)] * 2 + [None] * 2
     prompts = repetitive_prompts(6, seed=5)
     engine = LLMEngine(tiny_model, smollm_tokenizer, num_pages=128, speculative="draft",
                        draft_model=(tiny_model, smollm_tokenizer), speculative_max_batch=2)

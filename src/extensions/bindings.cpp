@@ -65,10 +65,13 @@ nb::dict plan_dict(const tiny_llm::MetalLaunchPlan& plan) {
 void bind_paged_ops(nb::module_& m) {
   m.def("paged_attention", &tiny_llm::paged_attention, "q"_a, "k_pages"_a, "v_pages"_a,
         "block_table"_a, "context_lens"_a, "query_start_loc"_a, "scale"_a, nb::kw_only(),
-        "tiled"_a = true, "gpu_rehearsal"_a = false, "stream"_a = nb::none(),
+        "tiled"_a = true, "gpu_rehearsal"_a = false, "tree_start"_a = nb::none(),
+        "tree_mask"_a = nb::none(), "stream"_a = nb::none(),
         "Attention of flat queries over paged K/V through block tables (causal). tiled=False "
         "runs the vector schedule for every row (Day 4); True tiles multi-token queries (Day 5). "
-        "gpu_rehearsal: on a CPU stream, make and check the Metal launch plan first.");
+        "gpu_rehearsal: on a CPU stream, make and check the Metal launch plan first. "
+        "tree_start (int32 [T]) and tree_mask (uint64 [T]): rows of a token tree, which see "
+        "the keys before tree_start and, after it, the keys whose bit is set (CPU only).");
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
         "v_new"_a, "slot_mapping"_a, nb::kw_only(), "gpu_rehearsal"_a = false,
         "stream"_a = nb::none(),

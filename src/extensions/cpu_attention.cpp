@@ -388,6 +388,45 @@ inline int chunks_of(int num_keys, int page_size) {
 }
 // ANCHOR_END: cpu_attend_rows
 
+// ANCHOR: cpu_tree_row
+// A row of a token tree (CpuTreeRows): the keys before `start` as a causal row at
+// start - 1 sees them (the usual walk), then each tree key it sees (bit j of mask: key
+// start + j), one key at a time, merged in order as the walk's chunks are.
+template <typename T>
+void attend_tree_row(const T* q, int start, uint64_t mask, const T* k_pages, const T* v_pages,
+                     const int32_t* table, int kv_head, int G, const CpuAttentionShape& g,
+                     PairStates total) {
+  attend_chunks(q, 1, start - 1, k_pages, v_pages, table, kv_head, G, 0,
+                chunks_of(start, g.page_size), g, total);
+  const int D = g.head_dim, ps = g.page_size;
+  const int64_t slot_stride = static_cast<int64_t>(g.n_kv_heads) * D;
+  constexpr int kScoreLen = 8;  // one key's score, in a whole vector
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(2 * G * D + 2 * G + kPairsPerFold * kScoreLen + 2 * D));
+  float* qf = buf.data();
+  const PairStates key_state{qf + G * D, qf + G * D + G, qf + G * D + 2 * G};
+  float* score = key_state.acc + G * D;
+  float* kv = score + kPairsPerFold * kScoreLen;  // the key's K and V rows as float
+  for (int x = 0; x < G * D; ++x) qf[x] = static_cast<float>(q[x]) * g.scale;
+  for (int j = 0; j < 64; ++j) {
+    if (!(mask >> j & 1)) continue;
+    const int key = start + j;
+    const int64_t row = (static_cast<int64_t>(table[key / ps]) * ps + key % ps) * slot_stride +
+                        kv_head * D;
+    for (int d = 0; d < D; ++d) {
+      kv[d] = static_cast<float>(k_pages[row + d]);
+      kv[D + d] = static_cast<float>(v_pages[row + d]);
+    }
+    std::fill(key_state.m, key_state.m + G, -kFloatMax);
+    std::fill(key_state.l, key_state.l + G, 0.0f);
+    std::fill(key_state.acc, key_state.acc + G * D, 0.0f);
+    fold_pairs(qf, G, kv, kv + D, D, 1, D, score, kScoreLen, key_state.m, key_state.l,
+               key_state.acc);
+    merge_chunk(total, key_state, G, D);
+  }
+}
+// ANCHOR_END: cpu_tree_row
+
 // A work item's rows: `rows` consecutive query rows of sequence `seq`, from flat row `row`.
 struct Tile {
   int seq, row, rows;
@@ -454,6 +493,26 @@ void check_items(const std::vector<Tile>& items, const int32_t* qsl, int num_seq
 // after, in order.
 constexpr int kMinItems = 8;
 
+// The tiles, with every row that `is_tree_row(tile, r)` names split off as a tile of one.
+template <typename IsTreeRow>
+std::vector<Tile> tree_tiles(const std::vector<Tile>& tiles, IsTreeRow is_tree_row) {
+  std::vector<Tile> out;
+  for (const Tile& t : tiles) {
+    int run = 0;  // causal rows gathered so far, from t.row
+    for (int r = 0; r < t.rows; ++r) {
+      if (!is_tree_row(t, r)) {
+        ++run;
+        continue;
+      }
+      if (run > 0) out.push_back({t.seq, t.row + r - run, run});
+      out.push_back({t.seq, t.row + r, 1});
+      run = 0;
+    }
+    if (run > 0) out.push_back({t.seq, t.row + t.rows - run, run});
+  }
+  return out;
+}
+
 }  // namespace
 
 // ANCHOR: cpu_work_items
@@ -463,9 +522,9 @@ constexpr int kMinItems = 8;
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
-                         const CpuAttentionShape& g) {
-  const std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
-                                                   : row_items(qsl, g.num_seqs);
+                         const CpuAttentionShape& g, const CpuTreeRows* tree) {
+  std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
+                                             : row_items(qsl, g.num_seqs);
   check_items(tiles, qsl, g.num_seqs, std::max(1, g.query_tile));
   const int G = g.n_heads / g.n_kv_heads, D = g.head_dim, H = g.n_kv_heads;
   const int64_t row_elems = static_cast<int64_t>(g.n_heads) * D;
@@ -473,6 +532,11 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
     const int b = tile.seq;
     return context_lens[b] - (qsl[b + 1] - qsl[b]) + (tile.row - qsl[b]);
   };
+  // A tree row sees other keys than its tile's causal walk: it is a tile of its own.
+  auto in_tree = [&](int row, int pos) { return tree != nullptr && tree->start[row] <= pos; };
+  if (tree != nullptr) tiles = tree_tiles(tiles, [&](const Tile& t, int r) {
+    return in_tree(t.row + r, first_pos(t) + r);
+  });
   // Each tile's items: one, or its chunks (split[t] > 0: their first partial state).
   const bool split = static_cast<int64_t>(tiles.size()) * H < kMinItems;
   std::vector<int> item_tile, item_chunk, split_first(tiles.size(), -1);
@@ -482,7 +546,7 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
     const int num_keys = first_pos(tiles[t]) + tiles[t].rows;
     keys += double(num_keys) * tiles[t].rows;
     const int chunks = chunks_of(num_keys, g.page_size);
-    if (split && tiles[t].rows == 1 && chunks > 1) {
+    if (split && tiles[t].rows == 1 && chunks > 1 && !in_tree(tiles[t].row, num_keys - 1)) {
       split_first[t] = partials;
       for (int c = 0; c < chunks; ++c) item_tile.push_back(t), item_chunk.push_back(c);
       partials += chunks;
@@ -512,8 +576,13 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
     thread_local std::vector<float> total;
     total.assign(static_cast<size_t>(R) * (D + 2), 0.0f);
     const PairStates st{total.data(), total.data() + R, total.data() + 2 * R};
-    attend_chunks(q + offset, tile.rows, pos, k_pages, v_pages, table, h, G, 0,
-                  chunks_of(pos + tile.rows, g.page_size), g, st);
+    if (tile.rows == 1 && in_tree(tile.row, pos)) {
+      attend_tree_row(q + offset, tree->start[tile.row], tree->mask[tile.row], k_pages, v_pages,
+                      table, h, G, g, st);
+    } else {
+      attend_chunks(q + offset, tile.rows, pos, k_pages, v_pages, table, h, G, 0,
+                    chunks_of(pos + tile.rows, g.page_size), g, st);
+    }
     write_rows(st, tile.rows, G, g, out + offset);
   });
   std::vector<float> merged(static_cast<size_t>(state_floats));
@@ -535,14 +604,14 @@ void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const i
 
 template void paged_attention_cpu<float>(const float*, const float*, const float*,
                                          const int32_t*, const int32_t*, const int32_t*, float*,
-                                         const CpuAttentionShape&);
+                                         const CpuAttentionShape&, const CpuTreeRows*);
 template void paged_attention_cpu<mlx::core::float16_t>(
     const mlx::core::float16_t*, const mlx::core::float16_t*, const mlx::core::float16_t*,
     const int32_t*, const int32_t*, const int32_t*, mlx::core::float16_t*,
-    const CpuAttentionShape&);
+    const CpuAttentionShape&, const CpuTreeRows*);
 template void paged_attention_cpu<mlx::core::bfloat16_t>(
     const mlx::core::bfloat16_t*, const mlx::core::bfloat16_t*, const mlx::core::bfloat16_t*,
     const int32_t*, const int32_t*, const int32_t*, mlx::core::bfloat16_t*,
-    const CpuAttentionShape&);
+    const CpuAttentionShape&, const CpuTreeRows*);
 
 }  // namespace tiny_llm

@@ -20,10 +20,19 @@ struct CpuAttentionShape {
   int query_tile;  // kCpuQueryTile (Day 5) or 1 (Day 4: the vector schedule for every row)
 };
 
+// Rows of a token tree (speculative decoding): row t sees the keys of its sequence before
+// start[t], and of the keys start[t] + j only those whose bit j of mask[t] is set (its
+// ancestors and itself). A row whose start[t] lies past its own key is causal.
+struct CpuTreeRows {
+  const int32_t* start;
+  const uint64_t* mask;
+};
+
 // T is float, mlx::core::float16_t or mlx::core::bfloat16_t; scores and sums are float.
+// tree: nullptr where every row is causal.
 template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* query_start_loc, T* out,
-                         const CpuAttentionShape& shape);
+                         const CpuAttentionShape& shape, const CpuTreeRows* tree = nullptr);
 
 }  // namespace tiny_llm

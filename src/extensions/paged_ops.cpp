@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -24,10 +25,14 @@ std::atomic<int> g_pool_copies{0};
 template <typename T>
 void dispatch_attention(mx::cpu::CommandEncoder& enc, const std::vector<mx::array>& in,
                         mx::array& out, const CpuAttentionShape& g) {
+  // Inputs 6 and 7, where given: the rows of a token tree (tree_start, tree_mask).
+  const CpuTreeRows tree = in.size() == 8
+                               ? CpuTreeRows{in[6].data<int32_t>(), in[7].data<uint64_t>()}
+                               : CpuTreeRows{nullptr, nullptr};
   enc.dispatch([q = in[0].data<T>(), k = in[1].data<T>(), v = in[2].data<T>(),
                 table = in[3].data<int32_t>(), ctx = in[4].data<int32_t>(),
-                qsl = in[5].data<int32_t>(), o = out.data<T>(), g]() {
-    paged_attention_cpu<T>(q, k, v, table, ctx, qsl, o, g);
+                qsl = in[5].data<int32_t>(), o = out.data<T>(), g, tree]() {
+    paged_attention_cpu<T>(q, k, v, table, ctx, qsl, o, g, tree.start ? &tree : nullptr);
   });
 }
 // ANCHOR_END: cpu_dispatch
@@ -130,7 +135,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
                           const mx::array& v_pages, const mx::array& block_table,
                           const mx::array& context_lens, const mx::array& query_start_loc,
                           float scale, bool tiled, bool gpu_rehearsal,
-                          mx::StreamOrDevice s) {
+                          const std::optional<mx::array>& tree_start,
+                          const std::optional<mx::array>& tree_mask, mx::StreamOrDevice s) {
   check(q.ndim() == 3 && k_pages.ndim() == 4 && v_pages.shape() == k_pages.shape(),
         "q must be [T, Hq, D] and pages [P, page_size, Hkv, D]");
   check(is_float(q.dtype()) && k_pages.dtype() == q.dtype() && v_pages.dtype() == q.dtype(),
@@ -141,16 +147,30 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
   check(block_table.dtype() == mx::int32 && context_lens.dtype() == mx::int32 &&
             query_start_loc.dtype() == mx::int32,
         "block_table, context_lens and query_start_loc must be int32");
+  check(tree_start.has_value() == tree_mask.has_value(),
+        "tree_start and tree_mask go together: give both or neither");
+  if (tree_start) {
+    check(tree_start->dtype() == mx::int32 && tree_mask->dtype() == mx::uint64 &&
+              tree_start->ndim() == 1 && tree_start->shape(0) == q.shape(0) &&
+              tree_mask->shape() == tree_start->shape(),
+          "tree_start must be int32 [T] and tree_mask uint64 [T]");
+  }
   auto stream = mx::to_stream(s);
   if (q.shape(0) == 0) return mx::zeros(q.shape(), q.dtype(), stream);
+  if (tree_start && (stream.device == mx::Device::gpu || gpu_rehearsal))
+    throw std::invalid_argument(
+        "paged_attention: the Metal kernels attend causally; token trees (tree_start, "
+        "tree_mask) run on the CPU");
   if (stream.device == mx::Device::gpu || gpu_rehearsal) {
     // The rehearsal makes (and checks) the launch plan a GPU would run, then runs the CPU's.
     auto plan = plan_paged_attention(q, k_pages, v_pages, block_table, context_lens,
                                      query_start_loc, scale, tiled, stream);
     if (stream.device == mx::Device::gpu) return launch_metal(plan, stream)[0];
   }
+  std::vector<mx::array> inputs{q, k_pages, v_pages, block_table, context_lens, query_start_loc};
+  if (tree_start) inputs.insert(inputs.end(), {*tree_start, *tree_mask});
   return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttention>(stream, scale, tiled),
-                   {q, k_pages, v_pages, block_table, context_lens, query_start_loc});
+                   std::move(inputs));
 }
 
 std::tuple<mx::array, mx::array> paged_kv_write(const mx::array& k_pages,

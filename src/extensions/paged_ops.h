@@ -5,7 +5,10 @@
 //                   block_table int32 [B, max_pages], context_lens int32 [B],
 //                   query_start_loc int32 [B + 1], scale, tiled) -> [T, Hq, D]
 //       tiled: rows of multi-token queries take the tiled schedule (Day 5); otherwise
-//       every row takes the vector schedule (Day 4).
+//       every row takes the vector schedule (Day 4). tree_start int32 [T] and tree_mask
+//       uint64 [T], optional and together: rows of a token tree (speculative decoding), which
+//       see the keys before tree_start[t] and, of the keys tree_start[t] + j, those whose
+//       bit j is set (CpuTreeRows); the CPU kernels serve them, the Metal ones refuse them.
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //   Both take gpu_rehearsal (tiny_llm/kernels/device.py): on a CPU stream, decide as a GPU stream
@@ -16,6 +19,7 @@
 // any kernel runs; these ops check only shapes and dtypes.
 #pragma once
 
+#include <optional>
 #include <tuple>
 
 #include "mlx/ops.h"
@@ -35,6 +39,8 @@ mx::array paged_attention(
     float scale,
     bool tiled = true,
     bool gpu_rehearsal = false,
+    const std::optional<mx::array>& tree_start = std::nullopt,
+    const std::optional<mx::array>& tree_mask = std::nullopt,
     mx::StreamOrDevice s = {});
 
 std::tuple<mx::array, mx::array> paged_kv_write(

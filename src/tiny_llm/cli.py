@@ -16,6 +16,7 @@ long) is reported and the conversation goes on.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import signal
 import subprocess
@@ -25,6 +26,17 @@ from dataclasses import fields
 from typing import Any
 
 from tiny_llm.sampling.params import SamplingParams
+
+
+def token_tree_arg(text: str) -> Any:
+    """``--speculative-token-tree``'s value: a Python literal (the engine checks the tree)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of paths of child ranks, e.g. '[(0,), (1,), (0, 0)]'"
+        ) from None
+
 
 # Engine options as flags: (flag, option, type, help).
 ENGINE_FLAGS = [
@@ -43,6 +55,8 @@ ENGINE_FLAGS = [
      "dense, gather (Day 3), page_walk or vector (Day 4), tiled_walk or flash (Day 5)"),
     ("--speculative", "speculative", str, "off, ngram (prompt lookup) or draft (--draft-model)"),
     ("--num-speculative-tokens", "num_speculative_tokens", int, "tokens drafted per step"),
+    ("--speculative-token-tree", "speculative_token_tree", token_tree_arg,
+     "a tree of drafts: paths of child ranks, e.g. '[(0,), (1,), (0, 0)]'"),
     ("--speculative-max-batch", "speculative_max_batch", int, "no drafts above this batch"),
     ("--draft-model", "draft_model", str, "the draft: an HF folder, hub id or .gguf file"),
     ("--tensor-parallel-size", "tensor_parallel_size", int,

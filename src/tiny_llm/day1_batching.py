@@ -264,7 +264,7 @@ class DenseAttention:
 
     @staticmethod
     def check(geometry: AttentionGeometry) -> None:
-        pass  # plain MLX ops serve any geometry
+        geometry.refuse_trees("attention='dense'")  # plain MLX ops serve any other geometry
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step

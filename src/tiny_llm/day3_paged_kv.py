@@ -505,7 +505,7 @@ class GatherAttention:
 
     @staticmethod
     def check(geometry: AttentionGeometry) -> None:
-        pass  # plain MLX ops serve any geometry
+        pass  # plain MLX ops serve any geometry; the dense oracle takes any mask (trees)
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step
@@ -516,11 +516,13 @@ class GatherAttention:
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         self.pool.write(layer, self.step.kv.slot_mapping, k, v)
-        qsl, outs = self.step.query_start_loc, []
+        qsl, tree, outs = self.step.query_start_loc, self.step.tree, []
         for b, slots in enumerate(self.context_slots):
             lo, hi = qsl[b], qsl[b + 1]
             keys, values = self.pool.gather(layer, slots)
-            outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo)))
+            visible = None if tree is None else mx.array(tree.visible(range(lo, hi), len(slots)))
+            outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo),
+                                         visible))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
     def state(self) -> list[mx.array]:

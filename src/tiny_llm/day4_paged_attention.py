@@ -35,7 +35,7 @@ from tiny_llm.day3_paged_kv import PagedKVStorage
 from tiny_llm.kernels.cpu_kernels import FusedDecode
 from tiny_llm.kernels.device import planned_device, rehearsing_gpu
 from tiny_llm.kernels.extension import extension
-from tiny_llm.step.batch import AttentionGeometry, StepBatch
+from tiny_llm.step.batch import AttentionGeometry, StepBatch, TreeRows
 
 import mlx.core as mx
 import numpy as np
@@ -55,6 +55,7 @@ def check_geometry(geometry: AttentionGeometry) -> None:
     if g.device == mx.gpu:  # the launcher's own rule (src/extensions/metal_launch.cpp)
         extension().check_metal_geometry(g.n_heads, g.n_kv_heads, g.head_dim, g.page_size,
                                          g.dtype)
+        g.refuse_trees("the Metal kernels (attention='vector' or 'flash' on a GPU)")
 # ANCHOR_END: check_geometry
 
 
@@ -116,15 +117,19 @@ def paged_attention(
     scale: float,
     validate: bool = True,
     tiled: bool = False,
+    tree: TreeRows | None = None,
 ) -> mx.array:
     """The extension op: the vector schedule for every query row (Day 5's ``tiled=True``
-    gives multi-token queries tiles). ``validate=False`` skips the checks (the engine
-    builds its metadata itself; tests check it)."""
+    gives multi-token queries tiles); ``tree``: rows of token trees, which see their
+    ancestors only (on a CPU). ``validate=False`` skips the checks (the engine builds its
+    metadata itself; tests check it)."""
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
+    trees = {} if tree is None else dict(tree_start=mx.array(tree.start),
+                                         tree_mask=mx.array(tree.ancestors))
     return extension().paged_attention(
         q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled,
-        gpu_rehearsal=rehearsing_gpu(),
+        gpu_rehearsal=rehearsing_gpu(), **trees,
     )
 
 
@@ -221,7 +226,7 @@ class PageWalkAttention:
 
     @staticmethod
     def check(geometry: AttentionGeometry) -> None:
-        pass  # plain MLX ops serve any geometry
+        geometry.refuse_trees("attention='page_walk'")  # plain MLX ops serve any other geometry
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step
@@ -272,7 +277,7 @@ class VectorKernelAttention:
     def attend_pages(self, q: mx.array, k_pages: mx.array, v_pages: mx.array,
                      scale: float) -> mx.array:
         return paged_attention(q, k_pages, v_pages, *self.step.kv.page_metadata, scale,
-                               validate=False, tiled=self.tiled)
+                               validate=False, tiled=self.tiled, tree=self.step.tree)
 
     def state(self) -> list[mx.array]:
         return self.pool.k + self.pool.v

@@ -32,7 +32,7 @@ from tiny_llm.day4_paged_attention import (
     VectorKernelAttention,
 )
 from tiny_llm.kernels.extension import extension
-from tiny_llm.step.batch import StepBatch
+from tiny_llm.step.batch import AttentionGeometry, StepBatch
 
 import mlx.core as mx
 import numpy as np
@@ -173,6 +173,10 @@ class TiledWalkAttention(PageWalkAttention):
 
     name: ClassVar[str] = "tiled_walk"
     TILE_ROWS = 16
+
+    @staticmethod
+    def check(geometry: AttentionGeometry) -> None:
+        geometry.refuse_trees("attention='tiled_walk'")  # plain MLX ops serve any other geometry
 
     def begin_step(self, step: StepBatch) -> None:
         self.step = step

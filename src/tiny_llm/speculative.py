@@ -25,17 +25,25 @@ Rejected tokens must leave the cache exactly (``rewind``): their K/V was written
 pages during verification, so pages past the accepted length go back to the pool, the tail
 page shrinks, and the pages they filled are never published to the prefix cache (the
 scheduler commits pages only up to the accepted length).
+
+The drafts may form a tree (``TokenTree``: several guesses per position, a chain being the
+tree of one child per node). Its nodes are the extra rows of the request's chunk, breadth
+first; a node sits at the position its depth gives and sees the committed tokens and its
+own ancestors only (``StepBatch.tree``). ``tree_accept`` walks down from the root, trying
+each node's children in turn on the residual the last rejection left, and the accepted
+path's K/V moves into the rows right after the last token (``move_accepted``) before the
+rest is rewound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
-from tiny_llm.day3_paged_kv import PagedKVStorage, PageTables
+from tiny_llm.day3_paged_kv import PagedKVStorage, PageTables, slots_for
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import filter_logits
-from tiny_llm.step.batch import Drafts, ScheduledChunk
+from tiny_llm.step.batch import Drafts, Emitted, ScheduledChunk
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -70,6 +78,111 @@ def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(cum) - 1))
 
 
+# ANCHOR: token_tree
+@dataclass(frozen=True)
+class TokenTree:
+    """The shape of the drafts proposed per request and step, given as vLLM gives its
+    ``speculative_token_tree``: each node is the path of child ranks that leads to it from
+    the request's last token — ``(0,)`` its best-ranked child, ``(1,)`` the second,
+    ``(0, 0)`` the best child of ``(0,)``. Kept breadth first (by depth, then by ranks), so
+    that every parent comes before its children; a chain of k drafts is
+    ``[(0,), (0, 0), ...]``, so chains and trees take one path through the engine."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    MAX_NODES: ClassVar[int] = 64  # a row's visible drafts are one 64-bit mask (TreeRows)
+
+    @classmethod
+    def chain(cls, k: int) -> TokenTree:
+        return cls(tuple((0,) * depth for depth in range(1, k + 1)))
+
+    @classmethod
+    def parse(cls, paths: Any) -> TokenTree:
+        """The tree ``paths`` lists, or a ValueError that names what is wrong with it."""
+        if isinstance(paths, TokenTree):
+            return paths
+        example = "e.g. [(0,), (1,), (0, 0)]: two children of the root, one under the first"
+        if not isinstance(paths, list | tuple) or not paths:
+            raise ValueError(f"speculative_token_tree must be a non-empty list of paths of "
+                             f"child ranks, {example}; got {paths!r}")
+        nodes: list[tuple[int, ...]] = []
+        for path in paths:
+            if not isinstance(path, list | tuple) or not path or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+                raise ValueError(f"speculative_token_tree: {path!r} is not a path of child "
+                                 f"ranks (a non-empty tuple of integers >= 0), {example}")
+            if tuple(path) in nodes:
+                raise ValueError(f"speculative_token_tree names {tuple(path)} twice")
+            nodes.append(tuple(path))
+        for node in nodes:
+            if len(node) > 1 and node[:-1] not in nodes:
+                raise ValueError(f"speculative_token_tree: {node} has no parent {node[:-1]}")
+            if node[-1] > 0 and (*node[:-1], node[-1] - 1) not in nodes:
+                raise ValueError(f"speculative_token_tree: {node} is child rank {node[-1]}, "
+                                 f"but rank {node[-1] - 1} of its parent is missing")
+        if len(nodes) > cls.MAX_NODES:
+            raise ValueError(f"speculative_token_tree has {len(nodes)} nodes; at most "
+                             f"{cls.MAX_NODES} are verified in one step")
+        return cls(tuple(sorted(nodes, key=lambda node: (len(node), node))))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(rank == 0 for path in self.paths for rank in path)
+
+    @property
+    def depth(self) -> int:
+        return len(self.paths[-1])
+
+    @property
+    def width(self) -> int:
+        """Children of the root."""
+        return sum(len(path) == 1 for path in self.paths)
+
+    def pruned(self, depth: int) -> TokenTree | None:
+        """The nodes at most ``depth`` deep (None: none)."""
+        kept = tuple(path for path in self.paths if len(path) <= depth)
+        return TokenTree(kept) if kept else None
+# ANCHOR_END: token_tree
+
+
+# ANCHOR: tree_accept
+def tree_accept(drafts: Drafts, target_probs: np.ndarray, draft_probs: np.ndarray,
+                rng: np.random.Generator) -> tuple[list[int], int]:
+    """The path of drafts to keep (their indices, from the root down), and the token after it.
+
+    ``target_probs [k + 1, V]``: the model's distribution after the request's last token
+    (row 0) and after each draft (row ``1 + i``); ``draft_probs [k, V]``: the distribution
+    each draft was drawn from (one-hot for a deterministic proposer). From the root, a
+    node's children are tried in order: child ``c`` is kept with probability
+    ``min(1, p(x_c) / q_c(x_c))`` and becomes the node; a rejected child turns ``p`` into
+    the normalised residual ``max(0, p - q_c)`` for the next sibling; when no child is kept,
+    the token is drawn from ``p``. Each sibling is one draw of its own (siblings drawn with
+    replacement, or deterministic ones), so each try is the chain's rule on the residual
+    the last one left, and the emitted token follows the model's distribution. A chain
+    (one child per node) is exactly ``speculative_accept``."""
+    children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]  # by row: 0 the root
+    for i in range(len(drafts)):
+        children[drafts.parent(i) + 1].append(i)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs[row]
+        for child in children[row]:
+            token, q = drafts.tokens[child], draft_probs[child]
+            if q[token] > 0 and rng.random() < min(1.0, p[token] / q[token]):
+                path.append(child)
+                row = child + 1
+                break
+            residual = np.maximum(p - q, 0.0)
+            p = residual / residual.sum()
+        else:
+            return path, _draw(p, rng)
+# ANCHOR_END: tree_accept
+
+
 def distribution(logits_row: mx.array | np.ndarray, params: SamplingParams,
                  vocab: int) -> np.ndarray:
     """The dense distribution the sampler draws from for ``params`` (filters included)."""
@@ -95,6 +208,20 @@ def rewind(tables: PageTables, request: Any, num_tokens: int) -> None:
 # ANCHOR_END: rewind
 
 
+def move_rows(kv: PagedKVStorage, request: Request, src: list[int], dst: list[int]) -> None:
+    """``request``'s K/V rows at positions ``src`` copied to positions ``dst``, in every
+    layer: all read, then all written. The rows read are evaluated before the pool's write
+    refers to them, so that nothing else holds the pool and the write happens in place."""
+    table = kv.table(request)
+    src_slots, dst_slots = (mx.array([slots_for(table, p, p + 1, kv.page_size)[0]
+                                      for p in positions], dtype=mx.int32)
+                            for positions in (src, dst))
+    for layer in range(len(kv.pool.k)):
+        k, v = kv.pool.gather(layer, src_slots)
+        mx.eval(k, v)
+        kv.pool.write(layer, dst_slots, k, v)
+
+
 # ---------------------------------------------------------------------------- proposers
 
 
@@ -106,9 +233,48 @@ class NgramProposer:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, requests: list[Request], k: list[int]) -> list[Drafts]:
-        return [Drafts(tuple(self.lookup(r.token_ids_between(0, r.num_tokens), n)))
-                for r, n in zip(requests, k, strict=True)]
+    def propose(self, requests: list[Request], trees: list[TokenTree]) -> list[Drafts]:
+        """Per request, the nodes of its tree that earlier text continues: the root's child
+        of rank r is the first token of the r-th continuation found, each continuing as a
+        chain (nodes ``(r, 0, 0, ...)``); nodes it has no token for are left out."""
+        drafts = []
+        for request, tree in zip(requests, trees, strict=True):
+            found = self.continuations(request.token_ids_between(0, request.num_tokens),
+                                       tree.depth, tree.width)
+            index: dict[tuple[int, ...], int] = {}
+            tokens, parents = [], []
+            for path in tree.paths:  # parents first
+                rank, depth = path[0], len(path)
+                if any(path[1:]) or rank >= len(found) or depth > len(found[rank]):
+                    continue
+                index[path] = len(tokens)
+                tokens.append(found[rank][depth - 1])
+                parents.append(index[path[:-1]] if depth > 1 else -1)
+            drafts.append(Drafts(tuple(tokens), parents=tuple(parents)))
+        return drafts
+
+    def continuations(self, tokens: list[int], k: int, width: int) -> list[list[int]]:
+        """Up to ``width`` continuations of at most ``k`` tokens, each starting with a token
+        of its own: ``lookup``'s first, then those after other earlier occurrences of the
+        sequence's last token, ranked as ``lookup`` ranks them (the longer the suffix they
+        match, at least ``min_n`` and at most ``max_n`` tokens, then the later)."""
+        first = self.lookup(tokens, k)
+        found = [first] if first else []
+        last = len(tokens) - 1
+
+        def matched(end: int) -> int:  # suffix tokens that tokens[.. end] ends with
+            n = 0
+            while n < self.max_n and n <= end and tokens[end - n] == tokens[last - n]:
+                n += 1
+            return n
+
+        for n, end in sorted(((matched(e), e) for e in range(last)), reverse=True):
+            if len(found) >= width or n < self.min_n:
+                break
+            after = tokens[end + 1 : end + 1 + k]
+            if after and all(f[0] != after[0] for f in found):
+                found.append(after)
+        return found
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         # TASK 6.3: NgramProposer.lookup — Proposing without a model
@@ -153,7 +319,9 @@ class DraftModelProposer:
         self.kv: PagedKVStorage = runner.kv
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
 
-    def propose(self, requests: list[Request], k: list[int]) -> list[Drafts]:
+    def propose(self, requests: list[Request], trees: list[TokenTree]) -> list[Drafts]:
+        """A chain per request (``EngineConfig`` refuses trees that branch for it)."""
+        k = [len(tree) for tree in trees]
         vocab = self.runner.model.config.vocab_size
         seqs = [_DraftSequence(r) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -200,24 +368,17 @@ class DraftModelProposer:
 # ANCHOR: policy
 @dataclass
 class SpeculationPolicy:
-    """How many tokens to draft for each request. Verification rows cost little while a
-    step is small, but a full batch is already compute-bound: past ``max_batch`` running
-    requests, drafting is off (``benches/bench_week3_speculative.py`` measures where)."""
+    """Which drafts to propose for each request: the tree (a chain of
+    ``num_speculative_tokens`` by default). Verification rows cost little while a step is
+    small, but a full batch is already compute-bound: past ``max_batch`` running requests,
+    drafting is off (``benches/bench_week3_speculative.py`` measures where)."""
 
-    num_speculative_tokens: int
+    tree: TokenTree
     max_batch: int
 
-    def k(self, num_running: int) -> int:
-        return self.num_speculative_tokens if num_running <= self.max_batch else 0
+    def tree_for(self, num_running: int) -> TokenTree | None:
+        return self.tree if num_running <= self.max_batch else None
 # ANCHOR_END: policy
-
-
-@dataclass
-class Verified:
-    """The outcome of verifying one request's drafts."""
-
-    tokens: list[int]  # accepted drafts, then the bonus token
-    num_drafts: int
 
 
 @dataclass
@@ -229,7 +390,7 @@ class SpeculativeDecoding:
     proposer: Any
     policy: SpeculationPolicy
     vocab: int
-    tables: PageTables  # the target's page tables, where draft rows are written
+    tables: PagedKVStorage  # the target's pages, where draft rows are written
     max_num_batched_tokens: int  # the step's budget, which draft rows share
     counters: dict[str, int] = field(default_factory=lambda: {
         "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_verify_steps": 0})
@@ -238,14 +399,17 @@ class SpeculativeDecoding:
 
     def propose(self, running: list[Request]) -> dict[Request, Drafts]:
         """Drafts for the running requests that are decoding (before the step's schedule)."""
-        k = self.policy.k(len(running))
+        tree = self.policy.tree_for(len(running))
         decoding = [r for r in running if r.num_uncomputed_tokens == 1 and r.params.drafts_allowed]
-        if not k or not decoding:
+        if tree is None or not decoding:
             return {}
-        room = [max(0, min(k, r.max_model_len - r.num_tokens - 1,
-                           (r.params.max_tokens or 1 << 30) - len(r.output_token_ids) - 1))
-                for r in decoding]
-        proposals = zip(decoding, self.proposer.propose(decoding, room), strict=True)
+        # No draft deeper than the tokens a request may still emit after this step's.
+        trees = {r: tree.pruned(min(r.max_model_len - r.num_tokens - 1,
+                                    (r.params.max_tokens or 1 << 30) - len(r.output_token_ids) - 1))
+                 for r in decoding}
+        asked = [r for r in decoding if trees[r] is not None]
+        proposals = zip(asked, self.proposer.propose(asked, [trees[r] for r in asked]),
+                        strict=True)
         return {request: drafts for request, drafts in proposals if drafts.tokens}
 
     def schedule_drafts(self, chunks: list[ScheduledChunk], proposals: dict[Request, Drafts]
@@ -261,11 +425,26 @@ class SpeculativeDecoding:
                 n = min(len(drafts), left)
                 if n and self.tables.allocate(req, chunk.end + n):
                     left -= n
-                    kept = Drafts(drafts.tokens[:n], None if drafts.probs is None
-                                  else drafts.probs[:n])
+                    kept = Drafts(drafts.tokens[:n],  # parents first: still a tree
+                                  None if drafts.probs is None else drafts.probs[:n],
+                                  None if drafts.parents is None else drafts.parents[:n])
                     chunk = replace(chunk, end=chunk.end + n, drafts=kept)
             out.append(chunk)
         return out
+
+    def move_accepted(self, chunks: list[ScheduledChunk], accepted: dict[Request, Emitted]
+                      ) -> None:
+        """The step is verified: each accepted draft's K/V moves to the row its depth puts
+        it at (the rows after the request's last token, in order), where a tree left it
+        elsewhere. A chain's accepted drafts are there already."""
+        for chunk in chunks:
+            if chunk.drafts is None:
+                continue
+            first = chunk.end - chunk.num_drafts  # draft i's row: first + i
+            moves = [(first + i, first + depth)
+                     for depth, i in enumerate(accepted[chunk.request].accepted) if i != depth]
+            if moves:
+                move_rows(self.tables, chunk.request, *map(list, zip(*moves, strict=True)))
 
     def rewind_rejected(self, chunks: list[ScheduledChunk]) -> None:
         """The step is committed: the pages of drafts that were not accepted go back to the
@@ -282,7 +461,7 @@ class SpeculativeDecoding:
     def release(self, request: Request) -> None:
         self.proposer.release(request)
 
-    def verify(self, request: Request, drafts: Drafts, logits: mx.array) -> Verified:
+    def verify(self, request: Request, drafts: Drafts, logits: mx.array) -> Emitted:
         """Accept or reject ``drafts`` given the model's ``k + 1`` logit rows for them."""
         params = request.params
         target = np.stack([distribution(logits[i], params, self.vocab)
@@ -291,13 +470,18 @@ class SpeculativeDecoding:
         if q is None or params.greedy:  # deterministic proposal: one-hot on each draft
             q = np.zeros((len(tokens), self.vocab))
             q[np.arange(len(tokens)), tokens] = 1.0
-        n, bonus = speculative_accept(tokens, target, q, request.sampler.rng)
+        if drafts.is_chain:
+            n, bonus = speculative_accept(tokens, target, q, request.sampler.rng)
+            path = list(range(n))
+        else:
+            path, bonus = tree_accept(drafts, target, q, request.sampler.rng)
+        n = len(path)
         self.counters["num_draft_tokens"] += len(tokens)
         self.counters["num_accepted_tokens"] += n
         self.counters["num_verify_steps"] += 1
         self.acceptance_histogram += [0] * (n + 1 - len(self.acceptance_histogram))
         self.acceptance_histogram[n] += 1
-        return Verified([*tokens[:n], bonus], len(tokens))
+        return Emitted([*(tokens[i] for i in path), bonus], tuple(path))
 
     def stats(self) -> dict[str, Any]:
         """Counters; ``mean_acceptance_length``: drafts kept per verification step."""
@@ -305,23 +489,3 @@ class SpeculativeDecoding:
         return {**self.counters, "acceptance_histogram": list(self.acceptance_histogram),
                 "mean_acceptance_length":
                     (self.counters["num_accepted_tokens"] / steps) if steps else 0.0}
-
-
-def load_draft_model(target_model, target_tokenizer, draft) -> Any:
-    """The draft model ``draft`` names (a path or hub id, loaded in the target's dtype, or a
-    ``(Model, Tokenizer)`` pair), refused with a clear error unless it shares the target's
-    tokenizer."""
-    from tiny_llm.models.loader import load
-
-    draft_model, draft_tokenizer = (load(draft, dtype=target_model.dtype)
-                                    if isinstance(draft, str) else draft)
-    if draft_model.config.vocab_size != target_model.config.vocab_size or (
-        draft_tokenizer is not None and draft_tokenizer.vocab_size != target_tokenizer.vocab_size
-    ):
-        raise ValueError(
-            f"the draft model must share the target's tokenizer: vocabularies of "
-            f"{draft_model.config.vocab_size} and {target_model.config.vocab_size} tokens")
-    if draft_tokenizer is not None and draft_tokenizer.encode("Hello, world! 123") != (
-            target_tokenizer.encode("Hello, world! 123")):
-        raise ValueError("the draft model's tokenizer encodes text differently from the target's")
-    return draft_model

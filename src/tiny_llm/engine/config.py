@@ -12,7 +12,7 @@ from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttenti
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
 from tiny_llm.engine.pool_size import MAX_POOL_FRACTION
 from tiny_llm.sampling.params import LOGPROBS_MODES
-from tiny_llm.speculative import SPECULATIVE
+from tiny_llm.speculative import SPECULATIVE, TokenTree
 
 import numpy as np
 
@@ -53,7 +53,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached full pages of shared prompt prefixes
     attention: str | None = None  # a name in ATTENTION_BACKENDS; default: the storage's best
     speculative: str = "off"  # "draft" (a smaller model) or "ngram" (prompt lookup)
-    num_speculative_tokens: int = 4  # tokens drafted per request and step
+    num_speculative_tokens: int | None = None  # a chain of this many drafts (default 4) ...
+    speculative_token_tree: Any = None  # ... or a tree of them: paths of child ranks
     speculative_max_batch: int = 16  # no drafts above this many running (tuned: see the book)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
@@ -69,10 +70,10 @@ class EngineConfig:
         if self.max_num_seqs is None:  # as many as mlx-lm's batch_generate runs at once
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         for name in ("max_num_seqs", "page_size", "tensor_parallel_size",
-                     "num_speculative_tokens", "speculative_max_batch"):
+                     "speculative_max_batch"):
             _check_int(name, getattr(self, name), 1)
         for name, least in (("max_model_len", 2), ("num_pages", 1), ("kv_memory_bytes", 1),
-                            ("long_prefill_token_threshold", 1)):
+                            ("long_prefill_token_threshold", 1), ("num_speculative_tokens", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), least)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "cpu_kernels",
@@ -131,6 +132,30 @@ class EngineConfig:
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("speculative='draft' and draft_model go together: give both or "
                              "neither")
+        self._check_token_tree()
+
+    def _check_token_tree(self) -> None:
+        """``speculative_token_tree`` parsed (a chain of ``num_speculative_tokens`` when not
+        given), and refused where the drafts' proposer cannot serve it (the attention
+        backend says so at engine build: ``AttentionGeometry.token_trees``)."""
+        if self.speculative_token_tree is None:
+            self.speculative_token_tree = TokenTree.chain(self.num_speculative_tokens or 4)
+            self.num_speculative_tokens = len(self.speculative_token_tree)
+            return
+        tree = TokenTree.parse(self.speculative_token_tree)
+        if self.speculative == "off":
+            raise ValueError("speculative_token_tree shapes the drafts: it needs "
+                             "speculative='ngram' or 'draft'")
+        if self.num_speculative_tokens not in (None, len(tree)):
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}, but "
+                             f"speculative_token_tree has {len(tree)} nodes: give one of them")
+        if not tree.is_chain and self.speculative == "draft":
+            raise ValueError("the draft model proposes chains: a speculative_token_tree that "
+                             "branches needs speculative='ngram'")
+        if not tree.is_chain and self.tensor_parallel_size > 1:
+            raise ValueError("tensor parallelism sends its workers causal steps: a "
+                             "speculative_token_tree that branches needs tensor_parallel_size=1")
+        self.speculative_token_tree, self.num_speculative_tokens = tree, len(tree)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

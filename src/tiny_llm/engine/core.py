@@ -30,7 +30,7 @@ from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
 from tiny_llm.engine.runner import ModelRunner, RunnerOutput, interrupts_held
 from tiny_llm.speculative import SpeculativeDecoding
-from tiny_llm.step.batch import Drafts, StepBatch
+from tiny_llm.step.batch import Drafts, Emitted, StepBatch
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -101,16 +101,19 @@ class EngineCore:
             self._commit(batch, output)
     # ANCHOR_END: step
 
-    def _verify(self, request: Request, drafts: Drafts, logits: mx.array) -> list[int]:
-        return self.spec.verify(request, drafts, logits).tokens
+    def _verify(self, request: Request, drafts: Drafts, logits: mx.array) -> Emitted:
+        return self.spec.verify(request, drafts, logits)
 
     def _commit(self, batch: StepBatch, output: RunnerOutput) -> None:
         """Record a successful step. Pure bookkeeping: nothing here may raise."""
         for request, records in output.prompt_scores:
             request.prompt_logprobs += records
-        emitted = dict(zip(batch.sampling, output.tokens, strict=True))
-        # A verified chunk computed K/V for its last token and the accepted drafts only.
-        done = [replace(c, end=c.start + len(emitted[c.request]), drafts=None)
+        emitted = dict(zip(batch.sampling, output.emitted, strict=True))
+        # A verified chunk computed K/V for its last token and the accepted drafts only,
+        # which must sit in the rows after it before pages are committed.
+        if self.spec is not None:
+            self.spec.move_accepted(batch.chunks, emitted)
+        done = [replace(c, end=c.start + len(emitted[c.request].tokens), drafts=None)
                 if c.drafts is not None else c for c in batch.chunks]
         self.scheduler.finish_step(done)
         if self.spec is not None:
@@ -119,8 +122,8 @@ class EngineCore:
             prompt_len = len(chunk.request.prompt_token_ids)
             self.counters["num_prompt_tokens_computed"] += max(0, min(chunk.end, prompt_len)
                                                                - chunk.start)
-        for request, new_tokens in emitted.items():
-            step_output = request.append_tokens(new_tokens)
+        for request, new in emitted.items():
+            step_output = request.append_tokens(new.tokens)
             if step_output.finished:
                 self.retire(request)
             elif self.spec is not None:

@@ -46,7 +46,6 @@ from tiny_llm.speculative import (
     NgramProposer,
     SpeculationPolicy,
     SpeculativeDecoding,
-    load_draft_model,
 )
 from tiny_llm.step.batch import AttentionBackend, AttentionGeometry
 from tiny_llm.step.request import Request, RequestOutput
@@ -66,7 +65,8 @@ class LLMEngine:
         workers = _tensor_parallel(cfg, model)  # a worker rank serves there and never returns
         backend = ATTENTION_BACKENDS[cfg.attention]
         page_size = cfg.page_size if cfg.kv_cache == "paged" else None
-        backend.check(AttentionGeometry.of(model.config, page_size, model.dtype))  # before
+        trees = not cfg.speculative_token_tree.is_chain  # drafts that branch
+        backend.check(AttentionGeometry.of(model.config, page_size, model.dtype, trees))  # before
         self.kv = _kv_storage(cfg, model, self.max_model_len)  # ... any memory is allocated
         self.scheduler = _scheduler(cfg, self.kv)
         # A fused decode op runs whole layers: it has no place for the all-reduces.
@@ -348,6 +348,8 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_mode
     if cfg.speculative == "ngram":
         proposer = NgramProposer()
     else:  # the draft model, run as the target is: its own runner over its own pool
+        from tiny_llm.models.loader import load_draft_model
+
         draft = load_draft_model(model, tokenizer, cfg.draft_model)
         pages = pool_pages(draft.config, draft.dtype, cfg.page_size, max_model_len,
                            cfg.max_num_seqs)
@@ -355,7 +357,7 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_mode
         kernels = KernelSettings(cfg.cpu_kernels, False, cfg.fused_layers)
         proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels,
                                                   scores_prompts=False))
-    policy = SpeculationPolicy(cfg.num_speculative_tokens, cfg.speculative_max_batch)
+    policy = SpeculationPolicy(cfg.speculative_token_tree, cfg.speculative_max_batch)
     return SpeculativeDecoding(proposer, policy, model.config.vocab_size, tables,
                                cfg.max_num_batched_tokens)
 

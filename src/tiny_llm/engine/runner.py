@@ -27,6 +27,7 @@ from tiny_llm.step.batch import (
     AttentionBackend,
     DenseLayout,
     Drafts,
+    Emitted,
     PagedLayout,
     ScheduledChunk,
     StepBatch,
@@ -51,11 +52,11 @@ class KernelSettings:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What a step's forward and sampling produced, for the commit to record: each sampling
-    request's new tokens (in ``StepBatch.sampling``'s order: one token, or the drafts it
+    """What a step's forward and sampling produced, for the commit to record: what each
+    sampling request emits (in ``StepBatch.sampling``'s order: one token, or the drafts it
     accepted and the token after them), and the records of requests scoring their prompt."""
 
-    tokens: list[list[int]]
+    emitted: list[Emitted]
     prompt_scores: list[tuple[Request, list[TokenLogprob]]]
 
 
@@ -71,7 +72,7 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode  # what a token's logprob record reads
 
     def execute(self, chunks: list[ScheduledChunk],
-                verify: Callable[[Request, Drafts, mx.array], list[int]] | None = None
+                verify: Callable[[Request, Drafts, mx.array], Emitted] | None = None
                 ) -> tuple[StepBatch, RunnerOutput]:
         """One step's forward and sampling. Changes nothing a failed step must undo but the
         samplers', which ``sample`` restores itself."""
@@ -101,9 +102,9 @@ class ModelRunner:
         return out
 
     def sample(self, logits: mx.array, batch: StepBatch,
-               verify: Callable[[Request, Drafts, mx.array], list[int]] | None = None
-               ) -> list[list[int]]:
-        """The tokens each sampling request emits: one, or, for a request with drafts,
+               verify: Callable[[Request, Drafts, mx.array], Emitted] | None = None
+               ) -> list[Emitted]:
+        """What each sampling request emits: one token, or, for a request with drafts,
         what ``verify`` makes of its ``k + 1`` rows. On failure, every generator, logprob
         record and grammar matcher is as it was."""
         requests = batch.sampling
@@ -116,7 +117,7 @@ class ModelRunner:
             if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
                 drawn = sample_next_tokens(logits, [r.sampler for r in requests],
                                            self.logprobs_mode)
-                return [[token] for token in drawn]
+                return [Emitted([token]) for token in drawn]
             return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
             for sampler, checkpoint in checkpoints:
@@ -172,24 +173,24 @@ class ModelRunner:
 
     # ANCHOR: sample_with_drafts
     def sample_with_drafts(self, logits: mx.array, batch: StepBatch,
-                           verify: Callable[[Request, Drafts, mx.array], list[int]] | None
-                           ) -> list[list[int]]:
+                           verify: Callable[[Request, Drafts, mx.array], Emitted] | None
+                           ) -> list[Emitted]:
         """A step where some requests verify drafts: the one-row requests sample together,
         then each drafting request's ``k + 1`` rows go to ``verify``, in batch order."""
         requests = batch.sampling
         rows = np.cumsum([0, *batch.num_logits])
         plain = [i for i, n in enumerate(batch.num_logits) if n == 1]
-        tokens: list[list[int]] = [[] for _ in requests]
+        emitted: list[Emitted] = [Emitted([]) for _ in requests]
         if plain:
             picked = logits[mx.array([int(rows[i]) for i in plain])]
             drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain],
                                        self.logprobs_mode)
             for i, token in zip(plain, drawn, strict=True):
-                tokens[i] = [token]
+                emitted[i] = Emitted([token])
         for i, n in enumerate(batch.num_logits):
             if n > 1:
-                tokens[i] = verify(requests[i], batch.drafts[i], logits[rows[i] : rows[i] + n])
-        return tokens
+                emitted[i] = verify(requests[i], batch.drafts[i], logits[rows[i] : rows[i] + n])
+        return emitted
     # ANCHOR_END: sample_with_drafts
 
 

@@ -417,3 +417,21 @@ def quantization_of(
         quant[module] = (in_features // groups, bits)
     return quant
 # ANCHOR_END: build_model
+
+
+def load_draft_model(target_model: Model, target_tokenizer: Tokenizer, draft: Any) -> Model:
+    """The draft model ``draft`` names (a path or hub id, loaded in the target's dtype, or a
+    ``(Model, Tokenizer)`` pair), refused with a clear error unless it shares the target's
+    tokenizer."""
+    draft_model, draft_tokenizer = (load(draft, dtype=target_model.dtype)
+                                    if isinstance(draft, str) else draft)
+    if draft_model.config.vocab_size != target_model.config.vocab_size or (
+        draft_tokenizer is not None and draft_tokenizer.vocab_size != target_tokenizer.vocab_size
+    ):
+        raise ValueError(
+            f"the draft model must share the target's tokenizer: vocabularies of "
+            f"{draft_model.config.vocab_size} and {target_model.config.vocab_size} tokens")
+    if draft_tokenizer is not None and draft_tokenizer.encode("Hello, world! 123") != (
+            target_tokenizer.encode("Hello, world! 123")):
+        raise ValueError("the draft model's tokenizer encodes text differently from the target's")
+    return draft_model

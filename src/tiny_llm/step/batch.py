@@ -45,14 +45,57 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Drafts:
-    """Tokens a proposer guessed to follow a request's last token, and the proposer's
-    distribution at each (``probs [k, V]``; None: deterministic, one-hot on each token)."""
+    """Tokens a proposer guessed to follow a request's last token, as a tree: draft ``i``
+    follows draft ``parents[i]`` (``-1``: the request's last token), every parent before its
+    children (a chain, the default: each draft follows the one before). ``probs [k, V]``: the
+    distribution each draft was drawn from (None: deterministic, one-hot on each token)."""
 
     tokens: tuple[int, ...]
     probs: np.ndarray | None = field(default=None, compare=False)
+    parents: tuple[int, ...] | None = None  # None: a chain
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and (
+                len(self.parents) != len(self.tokens)
+                or any(not -1 <= p < i for i, p in enumerate(self.parents))):
+            raise ValueError(f"draft parents {self.parents} do not name earlier drafts")
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def parent(self, i: int) -> int:
+        return i - 1 if self.parents is None else self.parents[i]
+
+    @property
+    def depths(self) -> list[int]:
+        """Each draft's depth: 1 for the drafts that follow the request's last token."""
+        depths: list[int] = []
+        for i in range(len(self.tokens)):
+            depths.append(1 + (depths[self.parent(i)] if self.parent(i) >= 0 else 0))
+        return depths
+
+    @property
+    def is_chain(self) -> bool:
+        return all(self.parent(i) == i - 1 for i in range(len(self.tokens)))
+
+    def ancestor_bits(self) -> list[int]:
+        """Per draft, the drafts its row sees besides the committed tokens: bit ``j`` set for
+        each ancestor ``j`` and for itself (a chain: every draft up to itself)."""
+        bits: list[int] = []
+        for i in range(len(self.tokens)):
+            p = self.parent(i)
+            bits.append((bits[p] if p >= 0 else 0) | 1 << i)
+        return bits
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """What a sampling request emits in a step: its new tokens (one; or the drafts it
+    accepted, then the token after them) and which drafts those are, in order (their
+    indices in its ``Drafts``: a path from the root of its tree)."""
+
+    tokens: list[int]
+    accepted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +133,7 @@ class StepBatch:
     kv: PagedLayout | DenseLayout | None  # what the KV storage lays out (None: nothing)
     # After the sampling rows: each scored request's prompt positions, a logit row each
     scored: list[tuple[Request, range]] = field(default_factory=list)
+    tree: TreeRows | None = None  # where some drafts form a tree: which drafts each row sees
 
     @property
     def num_logits(self) -> list[int]:
@@ -117,7 +161,10 @@ class StepBatch:
             req, drafts = chunk.request, chunk.num_drafts
             token_ids += req.token_ids_between(chunk.start, chunk.end - drafts)
             token_ids += chunk.drafts.tokens if drafts else ()
-            positions += range(chunk.start, chunk.end)
+            # A draft sits where its depth puts it: right after its parent, whichever row
+            # holds it (siblings share a position).
+            positions += range(chunk.start, chunk.end - drafts)
+            positions += [chunk.end - drafts - 1 + d for d in chunk.drafts.depths] if drafts else ()
             query_start_loc.append(query_start_loc[-1] + chunk.num_tokens)
             if chunk.end - drafts >= req.num_tokens:  # it reaches the end: sample what follows
                 logit_rows += range(query_start_loc[-1] - 1 - drafts, query_start_loc[-1])
@@ -146,8 +193,50 @@ class StepBatch:
             decodes,
             kv,
             scored,
+            TreeRows.of(chunks),
         )
 # ANCHOR_END: step_batch
+
+
+# ANCHOR: tree_rows
+@dataclass(frozen=True)
+class TreeRows:
+    """Which keys each row of a step sees where some request's drafts form a tree. A row
+    sees the keys of its sequence up to its own row (the causal rule), but from key
+    ``start[t]`` on (the first draft row of its chunk) only the drafts whose bit is set in
+    ``ancestors[t]``: its ancestors and itself, never a sibling or a cousin. Rows outside a
+    tree have ``start`` past their own row: the causal rule alone. A step whose drafts are
+    all chains has none (a chain's ancestors are every draft before it: the causal rule)."""
+
+    start: np.ndarray  # int32 [T]: a key index in the row's sequence
+    ancestors: np.ndarray  # uint64 [T]: bit j, draft j of the row's chunk
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk]) -> TreeRows | None:
+        if all(c.drafts is None or c.drafts.is_chain for c in chunks):
+            return None
+        start: list[int] = []
+        ancestors: list[int] = []
+        for chunk in chunks:
+            plain = chunk.num_tokens - chunk.num_drafts
+            start += range(chunk.start + 1, chunk.start + plain + 1)  # past each row's own
+            ancestors += [0] * plain
+            if chunk.drafts is not None:
+                start += [chunk.end - chunk.num_drafts] * chunk.num_drafts
+                ancestors += chunk.drafts.ancestor_bits()
+        return cls(np.array(start, dtype=np.int32), np.array(ancestors, dtype=np.uint64))
+
+    def visible(self, rows: range, num_keys: int) -> np.ndarray:
+        """``[len(rows), num_keys]``: which of its sequence's keys each of ``rows`` sees (the
+        rows are one sequence's, the last ``len(rows)`` of its ``num_keys``)."""
+        own = np.arange(num_keys - len(rows), num_keys)[:, None]
+        key = np.arange(num_keys)[None, :]
+        start = self.start[rows.start : rows.stop, None].astype(np.int64)
+        shift = np.clip(key - start, 0, 63).astype(np.uint64)
+        bits = self.ancestors[rows.start : rows.stop, None]
+        in_tree = ((bits >> shift) & np.uint64(1)).astype(bool)
+        return (key <= own) & ((key < start) | in_tree)
+# ANCHOR_END: tree_rows
 
 
 # ANCHOR: layouts
@@ -178,7 +267,8 @@ class DenseLayout:
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """What an attention backend must support: the model's heads, the storage, the device."""
+    """What an attention backend must support: the model's heads, the storage, the device,
+    and whether drafts may form trees (rows that see their ancestors only: ``TreeRows``)."""
 
     n_heads: int
     n_kv_heads: int
@@ -186,12 +276,21 @@ class AttentionGeometry:
     page_size: int | None  # None: dense storage
     dtype: mx.Dtype
     device: mx.Device
+    token_trees: bool = False
 
     @classmethod
-    def of(cls, config: ModelConfig, page_size: int | None, dtype: mx.Dtype
-           ) -> AttentionGeometry:
+    def of(cls, config: ModelConfig, page_size: int | None, dtype: mx.Dtype,
+           token_trees: bool = False) -> AttentionGeometry:
         return cls(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                   page_size, dtype, planned_device())
+                   page_size, dtype, planned_device(), token_trees)
+
+    def refuse_trees(self, attention: str) -> None:
+        """Raise ValueError, naming the ``attention`` that cannot serve them, if drafts may
+        form trees."""
+        if self.token_trees:
+            raise ValueError(f"{attention} cannot attend over a tree of drafts (causal rows "
+                             f"only): a speculative_token_tree that branches needs "
+                             f"attention='gather', 'vector' or 'flash' (on a CPU)")
 
 
 # ANCHOR: attention_backend

@@ -3,7 +3,7 @@
 ``causal_attention`` is written with ordinary MLX ops (matmul, mask, softmax) on purpose:
 it is the course's oracle. It takes one sequence's queries at absolute positions
 ``q_start .. q_start + T - 1`` and all of that sequence's keys ``0 .. S - 1``; query ``i``
-sees keys ``0 .. q_start + i``.
+sees keys ``0 .. q_start + i`` (or the keys a mask names: a tree of drafts).
 
 ``DenseKVCache`` is the starting point of the course: one growing buffer per layer for a
 single sequence. Day 1's engine gives each running request one of them.
@@ -16,9 +16,12 @@ import mlx.core as mx
 
 # ANCHOR: causal_attention
 def causal_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, q_start: int
+    q: mx.array, k: mx.array, v: mx.array, scale: float, q_start: int,
+    visible: mx.array | None = None,
 ) -> mx.array:
-    """``q [T, Hq, D]`` over ``k, v [S, Hkv, D]``; returns ``[T, Hq, D]`` in q's dtype."""
+    """``q [T, Hq, D]`` over ``k, v [S, Hkv, D]``; returns ``[T, Hq, D]`` in q's dtype.
+    ``visible [T, S]`` (bool), if given, says which keys each row sees instead of the
+    causal rule (a tree of drafts: ``TreeRows``)."""
     T, n_heads, D = q.shape
     S, n_kv_heads, _ = k.shape
     group = n_heads // n_kv_heads
@@ -28,8 +31,8 @@ def causal_attention(
     qg = q.reshape(T, n_kv_heads, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
     qg = qg.reshape(n_kv_heads, group * T, D)
     scores = (qg * scale) @ k.transpose(1, 2, 0)  # [Hkv, G*T, S]
-    q_pos = mx.arange(q_start, q_start + T)[:, None]
-    visible = mx.arange(S)[None, :] <= q_pos  # [T, S]
+    if visible is None:
+        visible = mx.arange(S)[None, :] <= mx.arange(q_start, q_start + T)[:, None]  # [T, S]
     scores = scores.reshape(n_kv_heads, group, T, S).astype(mx.float32)
     probs = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(v.dtype)
     out = probs.reshape(n_kv_heads, group * T, S) @ v.transpose(1, 0, 2)  # [Hkv, G*T, D]

@@ -1,0 +1,399 @@
+"""Tree speculation: the tree's shape, its rows' positions and mask, the acceptance rule over
+a tree, the move of accepted rows, and the engine.
+
+Oracles: a chain's rule (a tree of one child per node must decide as ``speculative_accept``
+does, draw for draw), the target distribution (chi-square over many seeded trials), the dense
+attention over each draft's own path, and the engine without speculation (greedy tokens
+identical, alone, batched and with preemption, with drafts accepted off the first branch so
+that accepted rows move).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tiny_llm import speculative
+from tiny_llm.cli import build_parser, engine_options
+from tiny_llm.day1_batching import DenseAttention
+from tiny_llm.day4_paged_attention import check_geometry
+from tiny_llm.engine import EngineConfig, LLMEngine
+from tiny_llm.kernels.device import rehearsing_gpu
+from tiny_llm.sampling.params import SamplingParams
+from tiny_llm.speculative import (
+    NgramProposer,
+    TokenTree,
+    distribution,
+    move_rows,
+    speculative_accept,
+    tree_accept,
+)
+from tiny_llm.step.batch import AttentionGeometry, Drafts, ScheduledChunk, StepBatch
+from tiny_llm.step.dense_kv import causal_attention
+from tiny_llm.step.request import SequenceState
+from tiny_llm.testing.runs import greedy, tokens_of
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+TREE = [(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 0, 0), (2, 0, 0)]
+
+
+def chi2_critical(dof: int) -> float:
+    """The chi-square value exceeded with probability ~1e-6 (Wilson-Hilferty)."""
+    z = 4.75
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+# ---------------------------------------------------------------------------------------
+# The shape
+
+
+@pytest.mark.device_independent
+def test_a_tree_is_kept_breadth_first_with_its_parents():
+    tree = TokenTree.parse([(1, 0), (0,), [1], (0, 0)])
+    assert tree.paths == ((0,), (1,), (0, 0), (1, 0))
+    assert (len(tree), tree.depth, tree.width, tree.is_chain) == (4, 2, 2, False)
+    assert TokenTree.chain(3).paths == ((0,), (0, 0), (0, 0, 0)) and TokenTree.chain(3).is_chain
+    assert TokenTree.parse(TREE).pruned(1).paths == ((0,), (1,), (2,))
+    assert TokenTree.chain(2).pruned(0) is None
+
+
+@pytest.mark.device_independent
+@pytest.mark.parametrize(("paths", "message"), [
+    ([], "non-empty list"),
+    ("0,1", "non-empty list"),
+    ([(0,), ()], r"\(\) is not a path"),
+    ([(0,), (-1,)], r"\(-1,\) is not a path"),
+    ([(0,), (True,)], "is not a path"),
+    ([(0,), (0,)], r"names \(0,\) twice"),
+    ([(0,), (1, 0)], r"\(1, 0\) has no parent \(1,\)"),
+    ([(0,), (2,)], r"\(2,\) is child rank 2, but rank 1"),
+    ([(i,) for i in range(65)], "65 nodes; at most 64"),
+])
+def test_a_malformed_tree_is_refused_by_name(paths, message):
+    with pytest.raises(ValueError, match=message):
+        TokenTree.parse(paths)
+
+
+def test_the_engine_refuses_what_cannot_serve_a_tree(tiny_model, smollm_tokenizer):
+    tree = dict(speculative="ngram", speculative_token_tree=[(0,), (1,)])
+    with pytest.raises(ValueError, match="draft model proposes chains"):
+        EngineConfig(**{**tree, "speculative": "draft"}, draft_model="x")
+    with pytest.raises(ValueError, match="needs speculative='ngram' or 'draft'"):
+        EngineConfig(speculative_token_tree=[(0,)])
+    with pytest.raises(ValueError, match="num_speculative_tokens=3, but .* has 2 nodes"):
+        EngineConfig(**tree, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(**tree, tensor_parallel_size=2)
+    config = EngineConfig(**tree)
+    assert config.speculative_token_tree == TokenTree(((0,), (1,)))
+    assert config.num_speculative_tokens == 2
+    for attention in ("page_walk", "tiled_walk"):  # walks in MLX ops: causal rows only
+        with pytest.raises(ValueError, match=f"attention='{attention}' cannot attend over a tree"):
+            LLMEngine(tiny_model, smollm_tokenizer, num_pages=16, attention=attention, **tree)
+    geometry = AttentionGeometry(4, 2, 64, 16, mx.float32, mx.cpu, token_trees=True)
+    with pytest.raises(ValueError, match="attention='dense' cannot attend over a tree"):
+        DenseAttention.check(replace(geometry, page_size=None))
+    check_geometry(geometry)  # the CPU kernels serve trees; the Metal ones do not (yet)
+    with pytest.raises(ValueError, match="the Metal kernels .* cannot attend over a tree"):
+        check_geometry(replace(geometry, device=mx.gpu))
+    # A chain is a tree every attention serves; without a tree, a chain of the given length.
+    LLMEngine(tiny_model, smollm_tokenizer, num_pages=16, attention="page_walk",
+              speculative="ngram", speculative_token_tree=[(0,), (0, 0)])
+    assert EngineConfig(num_speculative_tokens=3).speculative_token_tree == TokenTree.chain(3)
+
+
+@pytest.mark.device_independent
+def test_the_cli_reads_a_tree_as_a_python_literal(capsys):
+    parse = build_parser().parse_args
+    args = parse(["generate", "--prompt", "hi", "--speculative", "ngram",
+                  "--speculative-token-tree", "[(0,), (1,), (0, 0)]"])
+    assert engine_options(args)["speculative_token_tree"] == [(0,), (1,), (0, 0)]
+    with pytest.raises(SystemExit):
+        parse(["generate", "--prompt", "hi", "--speculative-token-tree", "[(0,"])
+    assert "is not a list of paths of child ranks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# The rows of a tree: positions and what each row sees
+
+
+def tree_drafts(tokens: list[int] | None = None) -> Drafts:
+    tree = TokenTree.parse(TREE)
+    index = {p: i for i, p in enumerate(tree.paths)}
+    parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in tree.paths)
+    return Drafts(tuple(tokens or range(100, 100 + len(tree))), parents=parents)
+
+
+@pytest.mark.device_independent
+def test_drafts_know_their_depths_and_ancestors():
+    drafts = tree_drafts()
+    assert drafts.depths == [1, 1, 1, 2, 2, 2, 2, 3, 3]
+    assert drafts.ancestor_bits()[7] == 1 << 7 | 1 << 4 | 1 << 1  # (1, 0, 0): (1, 0), (1,)
+    assert Drafts((5, 6, 7)).ancestor_bits() == [1, 3, 7] and Drafts((5, 6)).is_chain
+    with pytest.raises(ValueError, match="do not name earlier drafts"):
+        Drafts((5, 6), parents=(-1, 1))
+
+
+def test_a_tree_chunk_takes_positions_by_depth_and_sees_only_its_path():
+    """A request of 6 tokens verifying the tree beside a plain prefill chunk: each draft's
+    position is its depth after the last token, and its row's attention over the sequence
+    equals the dense attention over the committed keys and its own path alone."""
+    seq = SequenceState(list(range(1, 7)))
+    seq.num_computed_tokens = 5
+    other = SequenceState(list(range(50, 54)))
+    drafts = tree_drafts()
+    chunks = [ScheduledChunk(other, 0, 4), ScheduledChunk(seq, 5, 6 + len(drafts), drafts)]
+    batch = StepBatch.build(chunks, kv=None)
+    assert np.array(batch.positions).tolist() == [0, 1, 2, 3, 5, *(5 + d for d in drafts.depths)]
+    tree = batch.tree
+    assert tree is not None and StepBatch.build(chunks[:1], kv=None).tree is None
+    num_keys = 6 + len(drafts)
+    visible = tree.visible(range(4, 4 + 1 + len(drafts)), num_keys)
+    assert tree.visible(range(0, 4), 4).tolist() == np.tril(np.ones((4, 4), bool)).tolist()
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.normal(size=(1 + len(drafts), 4, 8)).astype(np.float32))
+    k, v = (mx.array(rng.normal(size=(num_keys, 2, 8)).astype(np.float32)) for _ in "kv")
+    out = causal_attention(q, k, v, 0.3, num_keys - q.shape[0], mx.array(visible))
+    for i in range(len(drafts)):  # draft i: row 1 + i, key 6 + i
+        path, node = [], i
+        while node >= 0:
+            path.insert(0, 6 + node)
+            node = drafts.parent(node)
+        keys = mx.array(list(range(6)) + path)
+        alone = causal_attention(q[1 + i : 2 + i], k[keys], v[keys], 0.3, len(path) + 5)
+        assert mx.allclose(out[1 + i], alone[0], atol=1e-5), i
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["vector", "tiled"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_the_kernels_attend_over_a_tree_as_the_dense_oracle(tiled, dtype):
+    """The extension's schedules with tree rows (a request verifying the tree after 70
+    committed tokens, more than one chunk of keys, beside another's prefill chunk) against
+    the dense attention with the tree's mask, sequence by sequence."""
+    from tiny_llm.day4_paged_attention import paged_attention
+
+    page_size, n_pages, h_kv, h_q, dim = 8, 32, 2, 4, 64
+    prefill = SequenceState(list(range(8)))
+    prefill.num_computed_tokens = 3
+    verifying = SequenceState(list(range(71)))
+    verifying.num_computed_tokens = 70
+    drafts = tree_drafts()
+    chunks = [ScheduledChunk(prefill, 3, 8),
+              ScheduledChunk(verifying, 70, 71 + len(drafts), drafts)]
+    tree = StepBatch.build(chunks, kv=None).tree
+    rng = np.random.default_rng(5)
+    pages = rng.permutation(n_pages)
+    tables = [pages[:1].tolist(), pages[1:1 + -(-(71 + len(drafts)) // page_size)].tolist()]
+    block_table = np.full((2, max(map(len, tables))), -1, np.int32)
+    for b, table in enumerate(tables):
+        block_table[b, : len(table)] = table
+    context_lens, qsl = [8, 71 + len(drafts)], [0, 5, 5 + 1 + len(drafts)]
+    k_pages, v_pages = (rng.normal(size=(n_pages, page_size, h_kv, dim)) for _ in "kv")
+    q = rng.normal(size=(qsl[-1], h_q, dim))
+    as_mx = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
+    args = (as_mx(q), as_mx(k_pages), as_mx(v_pages), mx.array(block_table),
+            mx.array(context_lens, dtype=mx.int32), mx.array(qsl, dtype=mx.int32), 0.25)
+    if rehearsing_gpu():  # a Mac's GPU: the Metal kernels refuse trees, by name
+        with pytest.raises(ValueError, match="the Metal kernels attend causally"):
+            paged_attention(*args, tiled=tiled, tree=tree)
+        return
+    got = paged_attention(*args, tiled=tiled, tree=tree)
+    for b, table in enumerate(tables):
+        n = context_lens[b]
+        slots = [table[p // page_size] * page_size + p % page_size for p in range(n)]
+        k = as_mx(k_pages.reshape(-1, h_kv, dim)[slots])
+        v = as_mx(v_pages.reshape(-1, h_kv, dim)[slots])
+        rows = range(qsl[b], qsl[b + 1])
+        want = causal_attention(as_mx(q[qsl[b] : qsl[b + 1]]), k, v, 0.25, n - len(rows),
+                                mx.array(tree.visible(rows, n)))
+        tol = 1e-5 if dtype == mx.float32 else 2e-2
+        assert mx.allclose(got[qsl[b] : qsl[b + 1]].astype(mx.float32),
+                           want.astype(mx.float32), atol=tol), b
+
+
+# ---------------------------------------------------------------------------------------
+# The acceptance rule
+
+
+@pytest.mark.device_independent
+def test_a_chain_decides_as_the_chain_rule_draw_for_draw():
+    rng = np.random.default_rng(0)
+    vocab, k = 6, 4
+    for trial in range(200):
+        p = rng.dirichlet(np.ones(vocab), size=k + 1)
+        q = rng.dirichlet(np.ones(vocab), size=k)
+        tokens = [int(rng.choice(vocab, p=q[i])) for i in range(k)]
+        n, bonus = speculative_accept(tokens, p, q, np.random.default_rng(trial))
+        path, tree_bonus = tree_accept(Drafts(tuple(tokens)), p, q, np.random.default_rng(trial))
+        assert (path, tree_bonus) == (list(range(n)), bonus)
+
+
+@pytest.mark.device_independent
+def test_greedy_takes_the_longest_path_of_argmaxes():
+    # (0,)=3 (1,)=4 (2,)=5 (0,0)=1 (1,0)=2 (1,1)=6 (2,0)=2 (1,0,0)=0 (2,0,0)=3
+    drafts = tree_drafts([3, 4, 5, 1, 2, 6, 2, 0, 3])
+    vocab = 8
+    target = np.eye(vocab)[[0] * (len(drafts) + 1)]  # row 1 + i: after draft i
+    target[0] = np.eye(vocab)[4]  # after the last token: 4, which is (1,)
+    target[2] = np.eye(vocab)[6]  # after (1,): 6, which is (1, 1), not its sibling (1, 0)
+    target[6] = np.eye(vocab)[7]  # after (1, 1): 7, a leaf's bonus
+    q = np.eye(vocab)[list(drafts.tokens)]
+    assert tree_accept(drafts, target, q, np.random.default_rng(0)) == ([1, 5], 7)
+    target[0] = np.eye(vocab)[7]  # no child of the root is right: the argmax alone
+    assert tree_accept(drafts, target, q, np.random.default_rng(0)) == ([], 7)
+
+
+@pytest.mark.device_independent
+@pytest.mark.parametrize("siblings", ["drawn", "deterministic"])
+def test_what_a_tree_emits_follows_the_target_distribution(siblings):
+    """Three children of the root and two under the first, drawn from the draft's
+    distribution (with replacement) or fixed: the first two emitted tokens are distributed
+    as the target's distributions there, under the filters."""
+    params = SamplingParams(temperature=0.8, top_k=5)
+    rng = np.random.default_rng(2)
+    vocab, trials = 7, 30000
+    logits = rng.normal(size=(6, vocab)) * 2
+    p = np.stack([distribution(row, params, vocab) for row in logits])
+    q_root = distribution(logits[0] + rng.normal(size=vocab), params, vocab)
+    q_first = distribution(logits[1] + rng.normal(size=vocab), params, vocab)
+    parents = (-1, -1, -1, 0, 0)
+    counts = np.zeros((2, vocab))
+    draws = np.random.default_rng(3)
+    for _ in range(trials):
+        if siblings == "drawn":
+            tokens = [int(draws.choice(vocab, p=q)) for q in (q_root,) * 3 + (q_first,) * 2]
+            q = np.stack([q_root] * 3 + [q_first] * 2)
+        else:
+            tokens = [0, 2, 4, 1, 3]
+            q = np.eye(vocab)[tokens]
+        # Targets past the first level are one distribution whatever the node: row 1 + i
+        # for draft i, as if every node were followed by the same text.
+        target = np.stack([p[0], p[1], p[1], p[1], p[2], p[2]])
+        path, bonus = tree_accept(Drafts(tuple(tokens), parents=parents), target, q, draws)
+        emitted = [tokens[i] for i in path] + [bonus]
+        for j, token in enumerate(emitted[:2]):
+            counts[j, token] += 1
+    for j, want in enumerate((p[0], p[1])):
+        seen = counts[j].sum()
+        support = want > 0
+        expected = want[support] * seen
+        chi2 = ((counts[j][support] - expected) ** 2 / expected).sum()
+        assert chi2 < chi2_critical(max(1, support.sum() - 1)), (j, counts[j], expected)
+        assert counts[j][~support].sum() == 0
+        assert seen > 2000
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt lookup's trees
+
+
+@pytest.mark.device_independent
+def test_prompt_lookup_puts_other_continuations_on_the_first_level():
+    ngram = NgramProposer()
+    tokens = [5, 9, 9, 9, 9, 7, 9, 3, 9]
+    assert ngram.continuations(tokens, 3, 1) == [[3, 9]]  # lookup's: the latest occurrence
+    assert ngram.continuations(tokens, 3, 3) == [[3, 9], [7, 9, 3], [9, 7, 9]]
+    request = SequenceState(tokens)
+    drafts, = ngram.propose([request], [TokenTree.parse(TREE)])
+    # (0,)=3 (0,0)=9; (1,)=7 (1,0)=9 (1,0,0)=3; (2,)=9 (2,0)=7 (2,0,0)=9; no (1, 1)
+    assert drafts.tokens == (3, 7, 9, 9, 9, 7, 3, 9)
+    assert drafts.parents == (-1, -1, -1, 0, 1, 2, 4, 5)
+    chain, = ngram.propose([request], [TokenTree.chain(3)])
+    assert chain.tokens == (3, 9) and chain.is_chain
+
+
+# ---------------------------------------------------------------------------------------
+# In the engine
+
+
+class KnowingProposer:
+    """Proposes trees whose right token (the target's greedy continuation, known from a run
+    without speculation) sits at child rank ``right_rank`` of each node on the right path,
+    with wrong tokens at the other ranks: every verification accepts off the first branch,
+    so accepted rows must move."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], right_rank: int):
+        self.expected, self.right_rank = expected, right_rank
+
+    def propose(self, requests, trees):
+        out = []
+        for request, tree in zip(requests, trees, strict=True):
+            prompt = tuple(request.prompt_token_ids)
+            future = self.expected[prompt][len(request.output_token_ids):]
+            tokens, index = [], {}
+            for path in tree.paths:
+                on_path = all(r == self.right_rank for r in path[:-1])
+                depth = len(path)
+                if depth > len(future):
+                    continue
+                right = future[depth - 1]
+                token = right if on_path and path[-1] == self.right_rank else (right + 1 + path[-1])
+                index[path] = len(tokens)
+                tokens.append(token)
+            parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in index)
+            out.append(Drafts(tuple(tokens), parents=parents))
+        return out
+
+    def rewind(self, request):
+        pass
+
+    def release(self, request):
+        pass
+
+
+SCENARIOS = {
+    "alone": dict(n=1, engine=dict(num_pages=128)),
+    "batch": dict(n=5, engine=dict(num_pages=128, max_num_batched_tokens=48)),
+    "preemption": dict(n=5, engine=dict(num_pages=10, page_size=8, max_model_len=64,
+                                        enable_prefix_caching=False)),
+}
+
+
+@pytest.mark.parametrize("attention", ["gather", "vector", "flash"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_tokens_are_identical_with_a_tree(tiny_model, smollm_tokenizer, scenario,
+                                                 attention, monkeypatch):
+    from tiny_llm.testing.runs import random_prompts
+
+    spec = SCENARIOS[scenario]
+    tree = [(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]
+    options = dict(attention=attention, speculative="ngram", speculative_token_tree=tree,
+                   speculative_max_batch=8, **spec["engine"])
+    if attention != "gather" and rehearsing_gpu():  # a Mac's GPU: refused at engine build
+        with pytest.raises(ValueError, match="the Metal kernels .* cannot attend over a tree"):
+            LLMEngine(tiny_model, smollm_tokenizer, **options)
+        return
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(spec["n"], seed=7, hi=20)]
+    params = [greedy(14)] * len(prompts)
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, **spec["engine"]), prompts,
+                         params)
+    known = {tuple(p["prompt_token_ids"]): e for p, e in zip(prompts, expected, strict=True)}
+    engine = LLMEngine(tiny_model, smollm_tokenizer, **options)
+    engine.core.spec.proposer = KnowingProposer(known, right_rank=1)
+    moved = []
+    monkeypatch.setattr(speculative, "move_rows", lambda kv, request, src, dst: (
+        moved.append(len(src)), move_rows(kv, request, src, dst)))
+    assert tokens_of(engine, prompts, params) == expected
+    stats = engine.stats()
+    assert stats["num_accepted_tokens"] > 0 and moved, "no accepted row moved"
+    assert stats["num_free_pages"] == stats["num_pages"]
+    if scenario == "preemption":
+        assert stats["num_preemptions"] > 0
+    engine.kv.blocks.check_invariants()
+
+
+def test_prompt_lookup_trees_keep_greedy_tokens(smollm_tokenizer):
+    """The n-gram proposer's trees through the engine: the repeater repeats the last token,
+    which an older occurrence than the latest predicts (rank 2 of the first level)."""
+    from tiny_llm.testing.models import make_repeater_model
+
+    repeater_model = make_repeater_model()
+    prompt = {"prompt_token_ids": [5, 9, 9, 9, 9, 7, 9, 3, 9]}
+    expected = tokens_of(LLMEngine(repeater_model, smollm_tokenizer, num_pages=64),
+                         [prompt], [greedy(10)])
+    engine = LLMEngine(repeater_model, smollm_tokenizer, num_pages=64, attention="gather",
+                       speculative="ngram", speculative_token_tree=TREE)
+    assert tokens_of(engine, [prompt], [greedy(10)]) == expected
+    assert engine.stats()["num_accepted_tokens"] > 0
