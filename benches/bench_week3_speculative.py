@@ -22,6 +22,12 @@ Measurements, each configuration once per round, rounds interleaved, median and 
    (``speculative_max_batch`` above the batch), and prompt lookup with the default policy
    (drafts only while at most ``speculative_max_batch`` requests run). The ratio against
    off is what the default policy was chosen from.
+3. **Trees against chains** of as many drafts (4 and 8), prompt lookup, per workload, at
+   batch 1 (each prompt alone) and 8: output tok/s, the acceptance length (tokens emitted
+   per verifying forward: drafts kept plus the token after them) and its distribution, the
+   drafts actually verified per step, and the acceptance length predicted from the measured
+   rate at which a child of each rank is kept (``predicted_length``; for a chain, one rate
+   ``α`` and ``(1 - α^(k+1)) / (1 - α)``).
 
     python benches/bench_week3_speculative.py           # about 15 minutes on 2 cores
     python benches/bench_week3_speculative.py --quick   # tiny random model, writes *_quick.*
@@ -60,6 +66,30 @@ WORKLOADS = {
     ],
 }
 BATCHES = (1, 2, 4, 8, 16)
+# Trees and chains of as many drafts, as speculative_token_tree takes them.
+SHAPES = {
+    "chain 4": [(0,) * depth for depth in range(1, 5)],
+    "tree 4: 2 wide": [(0,), (1,), (0, 0), (0, 0, 0)],
+    "chain 8": [(0,) * depth for depth in range(1, 9)],
+    "tree 8: 2 chains of 4": [(r, *(0,) * d) for d in range(4) for r in range(2)],
+    "tree 8: 4 chains of 2": [(r, *(0,) * d) for d in range(2) for r in range(4)],
+}
+TREE_BATCHES = (1, 8)
+
+
+def predicted_length(paths: list[tuple[int, ...]], rates: list[float]) -> float:
+    """Tokens per verifying forward a tree of ``paths`` would emit if a child of rank r,
+    once tried, were kept with probability ``rates[r]`` (a rank never tried: 0),
+    independently of everything else: 1 (the token after the kept path) plus each node's
+    chance of being kept — its parent kept, its elder siblings rejected, itself kept. For a
+    chain of k, ``(1 - α^(k+1)) / (1 - α)`` with ``α = rates[0]``."""
+    kept: dict[tuple[int, ...], float] = {(): 1.0}
+    for path in sorted(paths, key=len):
+        chance = kept[path[:-1]] * (rates[path[-1]] if path[-1] < len(rates) else 0.0)
+        for elder in range(path[-1]):
+            chance *= 1 - (rates[elder] if elder < len(rates) else 0.0)
+        kept[path] = chance
+    return 1 + sum(chance for path, chance in kept.items() if path)
 
 
 def early_exit_draft(model: Model, num_layers: int) -> Model:
@@ -105,6 +135,9 @@ def main() -> None:
         "ngram, always": dict(speculative="ngram", speculative_max_batch=max(BATCHES)),
         "ngram, default policy": dict(speculative="ngram"),
     }
+    trees = {"off": {}, **{name: dict(speculative="ngram", speculative_token_tree=paths,
+                                      speculative_max_batch=max(TREE_BATCHES))
+                           for name, paths in SHAPES.items()}}
     chats = {w: [[{"role": "user", "content": p}] for p in ps] for w, ps in WORKLOADS.items()}
     serve(model, tokenizer, chats["repetitive"][:1], 4)  # warm up
     runs: dict[str, list[dict]] = {}
@@ -120,6 +153,14 @@ def main() -> None:
             for name in (list(by_batch) if r % 2 == 0 else list(by_batch)[::-1]):
                 runs.setdefault(f"batch|{b}|{name}", []).append(
                     serve(model, tokenizer, prompts, max_tokens, **by_batch[name]))
+        for workload, prompts in chats.items():
+            for b in TREE_BATCHES:
+                batches = [[p] for p in prompts] if b == 1 else \
+                    [[prompts[i % len(prompts)] for i in range(b)]]
+                for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                    for i, batch in enumerate(batches):
+                        runs.setdefault(f"tree|{workload}|{b}|{name}|{i}", []).append(
+                            serve(model, tokenizer, batch, max_tokens, **trees[name]))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     def same(key: str, base: str) -> bool:
@@ -165,6 +206,7 @@ def main() -> None:
         row.append("yes" if all(same(f"batch|{b}|{n}", f"batch|{b}|off")
                                 for n in list(by_batch)[1:]) else "NO")
         rows2.append(row)
+    rows3, data3 = tree_rows(runs, chats, trees, args.rounds)
     tables = [
         Table("1. Batch 1: output tok/s (prefill included) and drafts kept",
               ["workload", "speculation", "tok/s", "min", "max", "× off", "kept / step",
@@ -179,11 +221,85 @@ def main() -> None:
                "same tokens"],
               rows2, ["", ".1f", ".1f", ".2f", ".1f", ".2f", ""],
               f"k = 4; the default policy drafts while at most {default_max} requests run."),
+        Table("3. Trees against chains of as many drafts (prompt lookup): tokens per "
+              "verifying forward, measured and predicted",
+              ["workload", "batch", "drafts", "tok/s", "× off", "tokens / forward",
+               "predicted, shape", "predicted, verified", "verified / step",
+               "steps keeping 0, 1, 2, ... drafts", "same tokens"],
+              rows3, ["", "", "", ".1f", ".2f", ".2f", ".2f", ".2f", ".2f", "", ""],
+              "tokens / forward: the acceptance length, drafts kept plus the token after them, "
+              "per verifying step; predicted: from the measured rate at which a child of "
+              "each rank is kept (predicted_length), for the configured shape and for the "
+              "shapes the steps verified (prompt lookup leaves out the nodes it has no "
+              "continuation for: verified / step); batch 1: each prompt alone, the mean; "
+              "tok/s and × off: median over rounds."),
     ]
     figure = plot(rows2, default_max)
     save_results("bench_week3_speculative" + ("_quick" if args.quick else ""),
-                 {"batch1": data1, "by_batch": data2, "model": model_name,
+                 {"batch1": data1, "by_batch": data2, "trees": data3, "model": model_name,
                   "max_tokens": max_tokens}, tables, figure, rounds=args.rounds)
+
+
+def tree_rows(runs: dict[str, list[dict]], chats: dict[str, list], trees: dict[str, dict],
+              rounds: int) -> tuple[list[list], dict[str, Any]]:
+    """Table 3's rows: per workload, batch and shape, speed against off, and the measured and
+    predicted acceptance lengths (counters from each run's first round)."""
+    rows, data = [], {}
+    for workload in chats:
+        for b in TREE_BATCHES:
+            off = tree_tok_per_s(runs, f"tree|{workload}|{b}|off|", rounds)
+            for name in list(trees)[1:]:
+                prefix = f"tree|{workload}|{b}|{name}|"
+                tps = tree_tok_per_s(runs, prefix, rounds)
+                ratio = statistics.median(a / o for a, o in zip(tps, off, strict=True))
+                keys = [k for k in runs if k.startswith(prefix)]
+                acceptance = tree_acceptance([runs[k][0]["stats"] for k in keys])
+                acceptance["predicted"] = predicted_length(SHAPES[name], acceptance["rank_rates"])
+                identical = all(
+                    x["tokens"] == y["tokens"]
+                    for k in keys for x, y in zip(runs[k], runs[k.replace(f"|{name}|", "|off|")],
+                                                  strict=True))
+                data[f"{workload}|{b}|{name}"] = {"tok_per_s": spread(tps), "ratio": ratio,
+                                                  **acceptance}
+                rows.append([workload, b, name, statistics.median(tps), ratio,
+                             acceptance["acceptance_length"], acceptance["predicted"],
+                             acceptance["predicted_verified"], acceptance["verified_per_step"],
+                             histogram_text(acceptance["histogram"])
+                             if acceptance["steps"] else "–",
+                             "yes" if identical else "NO"])
+    return rows, data
+
+
+def tree_tok_per_s(runs: dict[str, list[dict]], prefix: str, rounds: int) -> list[float]:
+    """Per round, the mean output tok/s of the runs under ``prefix``."""
+    keys = [k for k in runs if k.startswith(prefix)]
+    return [statistics.mean(runs[k][r]["tok_per_s"] for k in keys) for r in range(rounds)]
+
+
+def tree_acceptance(stats: list[dict]) -> dict[str, Any]:
+    """Acceptance measured over the runs' counters: its length per verifying step, its
+    distribution, each child rank's rate, and the lengths those rates predict for the
+    configured shape and for the shapes the steps actually verified."""
+    tries, accepts, hist = [0] * 8, [0] * 8, [0] * 9
+    shapes: dict[tuple, int] = {}
+    total = dict.fromkeys(("num_accepted_tokens", "num_draft_tokens", "num_verify_steps"), 0)
+    for s in stats:
+        for counter, into in (("rank_tries", tries), ("rank_accepts", accepts),
+                              ("acceptance_histogram", hist)):
+            for i, n in enumerate(s.get(counter, [])):
+                into[i] += n
+        for paths, n in s.get("verified_shapes", []):
+            key = tuple(map(tuple, paths))
+            shapes[key] = shapes.get(key, 0) + n
+        for counter in total:
+            total[counter] += s.get(counter, 0)
+    steps = total["num_verify_steps"]
+    rates = [a / t if t else 0.0 for a, t in zip(accepts, tries, strict=True)]
+    return {"steps": steps, "histogram": hist, "rank_rates": rates, **total,
+            "acceptance_length": (total["num_accepted_tokens"] + steps) / steps if steps else None,
+            "verified_per_step": total["num_draft_tokens"] / steps if steps else None,
+            "predicted_verified": sum(n * predicted_length(list(shape), rates)
+                                      for shape, n in shapes.items()) / steps if steps else None}
 
 
 def histogram_text(hist: list[int]) -> str:

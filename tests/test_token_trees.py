@@ -378,6 +378,10 @@ def test_greedy_tokens_are_identical_with_a_tree(tiny_model, smollm_tokenizer, s
     assert tokens_of(engine, prompts, params) == expected
     stats = engine.stats()
     assert stats["num_accepted_tokens"] > 0 and moved, "no accepted row moved"
+    # Every rank-0 child was tried and rejected; every kept draft was a rank-1 child.
+    assert stats["rank_accepts"][:2] == [0, stats["num_accepted_tokens"]]
+    assert stats["rank_tries"][0] >= stats["rank_tries"][1] >= stats["num_accepted_tokens"]
+    assert sum(n for _, n in stats["verified_shapes"]) == stats["num_verify_steps"]
     assert stats["num_free_pages"] == stats["num_pages"]
     if scenario == "preemption":
         assert stats["num_preemptions"] > 0

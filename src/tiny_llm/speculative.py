@@ -396,6 +396,11 @@ class SpeculativeDecoding:
         "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_verify_steps": 0})
     # acceptance_histogram[n]: verification steps that kept n drafts
     acceptance_histogram: list[int] = field(default_factory=list)
+    # rank_tries[r], rank_accepts[r]: children of rank r tried, and kept (a chain: rank 0)
+    rank_tries: list[int] = field(default_factory=list)
+    rank_accepts: list[int] = field(default_factory=list)
+    # verified_shapes[paths]: verification steps whose drafts had that shape (TokenTree paths)
+    verified_shapes: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
 
     def propose(self, running: list[Request]) -> dict[Request, Drafts]:
         """Drafts for the running requests that are decoding (before the step's schedule)."""
@@ -481,11 +486,41 @@ class SpeculativeDecoding:
         self.counters["num_verify_steps"] += 1
         self.acceptance_histogram += [0] * (n + 1 - len(self.acceptance_histogram))
         self.acceptance_histogram[n] += 1
+        self.count_tries(drafts, path)
         return Emitted([*(tokens[i] for i in path), bonus], tuple(path))
+
+    def count_tries(self, drafts: Drafts, path: list[int]) -> None:
+        """The shape verified, and per child rank the children tried and kept on the way
+        down ``path``: a node's children are tried in rank order up to the one kept (all of
+        them where none is)."""
+        children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]
+        ranks: list[tuple[int, ...]] = []  # each draft's path of child ranks
+        for i in range(len(drafts)):
+            parent = drafts.parent(i)
+            ranks.append((*(ranks[parent] if parent >= 0 else ()), len(children[parent + 1])))
+            children[parent + 1].append(i)
+        shape = tuple(ranks)
+        self.verified_shapes[shape] = self.verified_shapes.get(shape, 0) + 1
+        row = 0
+        for depth in range(len(path) + 1):
+            kept = path[depth] if depth < len(path) else None
+            for rank, child in enumerate(children[row]):
+                for counts in (self.rank_tries, self.rank_accepts):
+                    counts += [0] * (rank + 1 - len(counts))
+                self.rank_tries[rank] += 1
+                if child == kept:
+                    self.rank_accepts[rank] += 1
+                    break
+            if kept is None:
+                return
+            row = kept + 1
 
     def stats(self) -> dict[str, Any]:
         """Counters; ``mean_acceptance_length``: drafts kept per verification step."""
         steps = self.counters["num_verify_steps"]
         return {**self.counters, "acceptance_histogram": list(self.acceptance_histogram),
+                "rank_tries": list(self.rank_tries), "rank_accepts": list(self.rank_accepts),
+                "verified_shapes": [[list(map(list, shape)), n]
+                                    for shape, n in self.verified_shapes.items()],
                 "mean_acceptance_length":
                     (self.counters["num_accepted_tokens"] / steps) if steps else 0.0}

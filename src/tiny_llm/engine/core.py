@@ -56,6 +56,9 @@ class EngineStats(TypedDict, total=False):
     num_accepted_tokens: int
     num_verify_steps: int
     acceptance_histogram: list[int]
+    rank_tries: list[int]  # per child rank of a tree (a chain: rank 0 only)
+    rank_accepts: list[int]
+    verified_shapes: list[list]  # [paths of child ranks, verification steps of that shape]
     mean_acceptance_length: float
 
 
