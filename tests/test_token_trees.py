@@ -199,6 +199,9 @@ def test_the_kernels_attend_over_a_tree_as_the_dense_oracle(tiled, dtype):
         with pytest.raises(ValueError, match="the Metal kernels attend causally"):
             paged_attention(*args, tiled=tiled, tree=tree)
         return
+    wrong = replace(tree, ancestors=tree.ancestors | np.uint64(1 << 12))  # past 9 drafts
+    with pytest.raises(ValueError, match="names keys after the row's own"):
+        paged_attention(*args, tiled=tiled, tree=wrong)
     got = paged_attention(*args, tiled=tiled, tree=tree)
     for b, table in enumerate(tables):
         n = context_lens[b]

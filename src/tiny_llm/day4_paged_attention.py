@@ -107,6 +107,27 @@ def check_metadata(
 # ANCHOR_END: check_metadata
 
 
+def check_tree(tree: TreeRows, context_lens: mx.array, query_start_loc: mx.array) -> None:
+    """Raise ValueError unless every tree row's keys lie in its own sequence, at or before the
+    row itself: a kernel reads whatever keys the mask names."""
+    qsl, ctx = np.array(query_start_loc).astype(np.int64), np.array(context_lens)
+    rows = int(qsl[-1])
+    if tree.start.shape != (rows,) or tree.ancestors.shape != (rows,):
+        raise ValueError(f"the tree's start and mask need one entry per query row ({rows})")
+    lens = np.diff(qsl)
+    seq = np.repeat(np.arange(len(ctx)), lens)
+    own = ctx[seq] - lens[seq] + np.arange(rows) - qsl[seq]  # each row's own key
+    start = tree.start.astype(np.int64)
+    in_tree = start <= own
+    if (start[in_tree] < 0).any():
+        raise ValueError("tree rows must start at a key of their sequence (>= 0)")
+    span = np.clip(own - start + 1, 0, 63).astype(np.uint64)  # the row's keys from start on
+    past_own = in_tree & (own - start + 1 < 64) & ((tree.ancestors >> span) != 0)
+    if past_own.any():
+        raise ValueError(f"the tree mask of rows {np.flatnonzero(past_own).tolist()} names "
+                         "keys after the row's own")
+
+
 def paged_attention(
     q: mx.array,
     k_pages: mx.array,
@@ -125,6 +146,8 @@ def paged_attention(
     metadata itself; tests check it)."""
     if validate:
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
+        if tree is not None:
+            check_tree(tree, context_lens, query_start_loc)
     trees = {} if tree is None else dict(tree_start=mx.array(tree.start),
                                          tree_mask=mx.array(tree.ancestors))
     return extension().paged_attention(

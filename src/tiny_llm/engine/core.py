@@ -30,10 +30,8 @@ from tiny_llm.day1_batching import Scheduler
 from tiny_llm.engine.outputs import OutputRouter
 from tiny_llm.engine.runner import ModelRunner, RunnerOutput, interrupts_held
 from tiny_llm.speculative import SpeculativeDecoding
-from tiny_llm.step.batch import Drafts, Emitted, StepBatch
+from tiny_llm.step.batch import StepBatch
 from tiny_llm.step.request import Request
-
-import mlx.core as mx
 
 
 class EngineStats(TypedDict, total=False):
@@ -99,13 +97,10 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with requests waiting (a bug)")
             return
-        batch, output = self.runner.execute(chunks, self._verify)
+        batch, output = self.runner.execute(chunks, self.spec.verify if self.spec else None)
         with interrupts_held():
             self._commit(batch, output)
     # ANCHOR_END: step
-
-    def _verify(self, request: Request, drafts: Drafts, logits: mx.array) -> Emitted:
-        return self.spec.verify(request, drafts, logits)
 
     def _commit(self, batch: StepBatch, output: RunnerOutput) -> None:
         """Record a successful step. Pure bookkeeping: nothing here may raise."""
