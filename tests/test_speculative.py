@@ -322,7 +322,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_model, smollm_tok
 
 
 def test_speculation_switches_off_when_the_batch_is_full(tiny_model, smollm_tokenizer):
-    from tiny_llm.speculative import SpeculationPolicy, TokenTree
+    from tiny_llm.speculative import SpeculationPolicy
+    from tiny_llm.step.batch import TokenTree
 
     policy = SpeculationPolicy(TokenTree.chain(4), max_batch=2)
     assert [policy.tree_for(n) for n in (1, 2, 3, 16)] == [TokenTree.chain(4)] * 2 + [None] * 2

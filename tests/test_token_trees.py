@@ -21,13 +21,12 @@ from tiny_llm.kernels.device import rehearsing_gpu
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import (
     NgramProposer,
-    TokenTree,
     distribution,
     move_rows,
     speculative_accept,
     tree_accept,
 )
-from tiny_llm.step.batch import AttentionGeometry, Drafts, ScheduledChunk, StepBatch
+from tiny_llm.step.batch import AttentionGeometry, Drafts, ScheduledChunk, StepBatch, TokenTree
 from tiny_llm.step.dense_kv import causal_attention
 from tiny_llm.step.request import SequenceState
 from tiny_llm.testing.runs import greedy, tokens_of

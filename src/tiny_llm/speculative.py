@@ -38,12 +38,12 @@ rest is rewound.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 from tiny_llm.day3_paged_kv import PagedKVStorage, PageTables, slots_for
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import filter_logits
-from tiny_llm.step.batch import Drafts, Emitted, ScheduledChunk
+from tiny_llm.step.batch import Drafts, Emitted, ScheduledChunk, TokenTree
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -76,76 +76,6 @@ def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     """A token drawn with probability proportional to ``weights`` (inverse CDF)."""
     cum = np.cumsum(weights, dtype=np.float64)
     return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(cum) - 1))
-
-
-# ANCHOR: token_tree
-@dataclass(frozen=True)
-class TokenTree:
-    """The shape of the drafts proposed per request and step, given as vLLM gives its
-    ``speculative_token_tree``: each node is the path of child ranks that leads to it from
-    the request's last token — ``(0,)`` its best-ranked child, ``(1,)`` the second,
-    ``(0, 0)`` the best child of ``(0,)``. Kept breadth first (by depth, then by ranks), so
-    that every parent comes before its children; a chain of k drafts is
-    ``[(0,), (0, 0), ...]``, so chains and trees take one path through the engine."""
-
-    paths: tuple[tuple[int, ...], ...]
-
-    MAX_NODES: ClassVar[int] = 64  # a row's visible drafts are one 64-bit mask (TreeRows)
-
-    @classmethod
-    def chain(cls, k: int) -> TokenTree:
-        return cls(tuple((0,) * depth for depth in range(1, k + 1)))
-
-    @classmethod
-    def parse(cls, paths: Any) -> TokenTree:
-        """The tree ``paths`` lists, or a ValueError that names what is wrong with it."""
-        if isinstance(paths, TokenTree):
-            return paths
-        example = "e.g. [(0,), (1,), (0, 0)]: two children of the root, one under the first"
-        if not isinstance(paths, list | tuple) or not paths:
-            raise ValueError(f"speculative_token_tree must be a non-empty list of paths of "
-                             f"child ranks, {example}; got {paths!r}")
-        nodes: list[tuple[int, ...]] = []
-        for path in paths:
-            if not isinstance(path, list | tuple) or not path or not all(
-                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
-                raise ValueError(f"speculative_token_tree: {path!r} is not a path of child "
-                                 f"ranks (a non-empty tuple of integers >= 0), {example}")
-            if tuple(path) in nodes:
-                raise ValueError(f"speculative_token_tree names {tuple(path)} twice")
-            nodes.append(tuple(path))
-        for node in nodes:
-            if len(node) > 1 and node[:-1] not in nodes:
-                raise ValueError(f"speculative_token_tree: {node} has no parent {node[:-1]}")
-            if node[-1] > 0 and (*node[:-1], node[-1] - 1) not in nodes:
-                raise ValueError(f"speculative_token_tree: {node} is child rank {node[-1]}, "
-                                 f"but rank {node[-1] - 1} of its parent is missing")
-        if len(nodes) > cls.MAX_NODES:
-            raise ValueError(f"speculative_token_tree has {len(nodes)} nodes; at most "
-                             f"{cls.MAX_NODES} are verified in one step")
-        return cls(tuple(sorted(nodes, key=lambda node: (len(node), node))))
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(rank == 0 for path in self.paths for rank in path)
-
-    @property
-    def depth(self) -> int:
-        return len(self.paths[-1])
-
-    @property
-    def width(self) -> int:
-        """Children of the root."""
-        return sum(len(path) == 1 for path in self.paths)
-
-    def pruned(self, depth: int) -> TokenTree | None:
-        """The nodes at most ``depth`` deep (None: none)."""
-        kept = tuple(path for path in self.paths if len(path) <= depth)
-        return TokenTree(kept) if kept else None
-# ANCHOR_END: token_tree
 
 
 # ANCHOR: tree_accept

@@ -12,7 +12,8 @@ from tiny_llm.day4_paged_attention import PageWalkAttention, VectorKernelAttenti
 from tiny_llm.day5_paged_flash import FlashAttention, TiledWalkAttention
 from tiny_llm.engine.pool_size import MAX_POOL_FRACTION
 from tiny_llm.sampling.params import LOGPROBS_MODES
-from tiny_llm.speculative import SPECULATIVE, TokenTree
+from tiny_llm.speculative import SPECULATIVE
+from tiny_llm.step.batch import TokenTree
 
 import numpy as np
 
