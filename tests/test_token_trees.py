@@ -287,6 +287,34 @@ def test_what_a_tree_emits_follows_the_target_distribution(siblings):
         assert seen > 2000
 
 
+@pytest.mark.device_independent
+def test_moving_rows_copies_them_in_every_layer_and_nothing_else():
+    """Accepted rows move from the rows a tree left them in to their depth's rows: every
+    layer's K and V, read before any is written (a row may be both a source and a target)."""
+    from types import SimpleNamespace
+
+    from tiny_llm.day3_paged_kv import PagedKVStorage, slots_for
+
+    config = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=8)
+    kv = PagedKVStorage(config, num_pages=8, page_size=4, enable_prefix_caching=False,
+                        dtype=mx.float32)
+    seq = SequenceState(list(range(14)))
+    assert kv.allocate(seq, 14)
+    slots = mx.array(slots_for(kv.table(seq), 0, 14, 4), dtype=mx.int32)
+    rng = np.random.default_rng(0)
+    for layer in range(3):
+        kv.pool.write(layer, slots, *(mx.array(rng.normal(size=(14, 2, 8)).astype(np.float32))
+                                      for _ in "kv"))
+    before = [[np.array(a) for a in kv.pool.gather(layer, slots)] for layer in range(3)]
+    move_rows(kv, seq, [9, 12, 13], [8, 9, 10])  # 9 is read, then written
+    for layer in range(3):
+        after = [np.array(a) for a in kv.pool.gather(layer, slots)]
+        for old, new in zip(before[layer], after, strict=True):
+            expected = old.copy()
+            expected[[8, 9, 10]] = old[[9, 12, 13]]
+            assert np.array_equal(new, expected), layer
+
+
 # ---------------------------------------------------------------------------------------
 # Prompt lookup's trees
 
