@@ -513,16 +513,18 @@ class GatherAttention:
             mx.array(slots_for(table, 0, end, self.page_size), dtype=mx.int32)
             for table, end in zip(step.kv.tables, step.context_lens, strict=True)
         ]
+        qsl, tree = step.query_start_loc, step.tree  # a tree's masks: once, for every layer
+        self.visible = [None if tree is None else mx.array(tree.visible(range(lo, hi), end))
+                        for lo, hi, end in zip(qsl[:-1], qsl[1:], step.context_lens, strict=True)]
 
     def attend(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         self.pool.write(layer, self.step.kv.slot_mapping, k, v)
-        qsl, tree, outs = self.step.query_start_loc, self.step.tree, []
+        qsl, outs = self.step.query_start_loc, []
         for b, slots in enumerate(self.context_slots):
             lo, hi = qsl[b], qsl[b + 1]
             keys, values = self.pool.gather(layer, slots)
-            visible = None if tree is None else mx.array(tree.visible(range(lo, hi), len(slots)))
             outs.append(causal_attention(q[lo:hi], keys, values, scale, len(slots) - (hi - lo),
-                                         visible))
+                                         self.visible[b]))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
     def state(self) -> list[mx.array]:

@@ -148,8 +148,8 @@ def paged_attention(
         check_metadata(q, k_pages, v_pages, block_table, context_lens, query_start_loc)
         if tree is not None:
             check_tree(tree, context_lens, query_start_loc)
-    trees = {} if tree is None else dict(tree_start=mx.array(tree.start),
-                                         tree_mask=mx.array(tree.ancestors))
+    trees = {} if tree is None else dict(zip(("tree_start", "tree_mask"), tree.arrays,
+                                             strict=True))
     return extension().paged_attention(
         q, k_pages, v_pages, block_table, context_lens, query_start_loc, scale, tiled=tiled,
         gpu_rehearsal=rehearsing_gpu(), **trees,

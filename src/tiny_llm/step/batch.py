@@ -33,6 +33,7 @@ the layer's new K/V and returns each row's causal attention over its sequence's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
 from tiny_llm.kernels.cpu_kernels import FusedDecode
@@ -297,6 +298,12 @@ class TreeRows:
                 start += [chunk.end - chunk.num_drafts] * chunk.num_drafts
                 ancestors += chunk.drafts.ancestor_bits()
         return cls(np.array(start, dtype=np.int32), np.array(ancestors, dtype=np.uint64))
+
+    @cached_property
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        """``(start, ancestors)`` as the kernels take them: made once per step, read by
+        every layer."""
+        return mx.array(self.start), mx.array(self.ancestors)
 
     def visible(self, rows: range, num_keys: int) -> np.ndarray:
         """``[len(rows), num_keys]``: which of its sequence's keys each of ``rows`` sees (the
