@@ -189,8 +189,9 @@ class NgramProposer:
         sequence's last token, ranked as ``lookup`` ranks them (the longer the suffix they
         match, at least ``min_n`` and at most ``max_n`` tokens, then the later)."""
         first = self.lookup(tokens, k)
-        found = [first] if first else []
-        last = len(tokens) - 1
+        if not first or width == 1:  # no occurrence at all, or a chain: lookup's alone
+            return [first] if first else []
+        found, last = [first], len(tokens) - 1
 
         def matched(end: int) -> int:  # suffix tokens that tokens[.. end] ends with
             n = 0
