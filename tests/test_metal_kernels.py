@@ -14,7 +14,8 @@ Groups:
 * ragged cases (context lengths 1, page-1, page, page+1 and many pages; shuffled pages;
   GQA 1/3/4/5/8 and the default model's 9/3 heads; multi-query rows with a causal
   offset mixed with single-query rows; NaN garbage in every slot and page nobody may
-  read; float, half and bfloat; the largest geometries the launcher accepts), through
+  read; float, half and bfloat; the largest geometries the launcher accepts; the rows of
+  token trees, which see their ancestors only), through
   both plans: ``tiled=False`` (Day 4, the vector schedule for every row) and
   ``tiled=True`` (Day 5, vector rows + tiled multi-token queries);
 * the geometry rule, one for host and kernel (``check_metal_geometry``), whose largest
@@ -48,7 +49,8 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import tiny_llm  # noqa: E402, F401  (before mlx: it sets up MLX's CPU BLAS)
 from tiny_llm.course import learner  # noqa: E402
-from tiny_llm.testing.paged import float64_reference, make_paged_case  # noqa: E402
+from tiny_llm.step.batch import TreeRows  # noqa: E402
+from tiny_llm.testing.paged import float64_reference, make_paged_case, tree_rows  # noqa: E402
 
 from metal_check import largest_geometries  # noqa: E402
 from metal_check import sources as metal_check_sources  # noqa: E402
@@ -109,6 +111,7 @@ class MetalCase:
     seqs: tuple[tuple[int, int], ...]
     spare_pages: int = 3  # pool pages nobody owns (filled with NaN)
     seed: int = 0
+    tree: tuple[int, ...] = ()  # the last sequence's last rows verify drafts with these parents
 
     @property
     def n_heads(self) -> int:
@@ -125,6 +128,10 @@ class MetalCase:
     def __str__(self) -> str:
         return self.name
 
+
+# The tree of tests/test_token_trees.py: [(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0),
+# (1, 0, 0), (2, 0, 0)], as each draft's parent.
+TREE_PARENTS = (-1, -1, -1, 0, 1, 1, 2, 4, 6)
 
 CASES = [
     # context 1, page-1, page, page+1 and 8 pages (every simdgroup owns one).
@@ -167,6 +174,16 @@ CASES = [
     MetalCase("largest_group_f32_gqa64_80", "float", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=23),
     MetalCase("largest_group_f16_gqa64_80", "half", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=24),
     MetalCase("largest_group_bf16_gqa64_80", "bfloat", 80, 64, 2, 8, ((9, 1), (10, 3)), seed=25),
+    # Token trees (speculative decoding): the last sequence's last rows are drafts that see
+    # their ancestors only. Nine drafts (simdgroup 0 folds drafts 0 and 8) over a page
+    # boundary, beside a decode and a prefill chunk that the tiled schedule takes; a tree
+    # row inside a query tile, whose output is its vector threadgroup's alone.
+    MetalCase("tree_f32_gqa3", "float", 64, 3, 2, 8, ((17, 1), (40, 12), (30, 10)), seed=30,
+              tree=TREE_PARENTS),
+    MetalCase("tree_f16_9q3kv", "half", 64, 3, 3, 16, ((70, 1), (24, 24), (90, 8)), seed=31,
+              tree=(-1, -1, 0, 1, 1, 4, 2)),
+    MetalCase("tree_bf16_16q8kv", "bfloat", 128, 2, 8, 16, ((19, 5), (40, 4)), seed=32,
+              tree=(-1, 0, 0)),
 ]  # fmt: skip
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -187,6 +204,7 @@ class PagedInputs:
     query_start_loc: np.ndarray  # int32 [B + 1]
     scale: float
     ref: np.ndarray = field(repr=False)  # float64 [T, Hq, D]
+    tree: TreeRows | None = None  # the rows of the case's tree of drafts
 
 
 def make_inputs(case: MetalCase) -> PagedInputs:
@@ -200,7 +218,8 @@ def make_inputs(case: MetalCase) -> PagedInputs:
                             seed=case.seed)
     arrays = [np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
               for a in paged.args()[:6]]
-    return PagedInputs(*arrays, paged.scale, float64_reference(paged))
+    tree = tree_rows(paged, case.tree)
+    return PagedInputs(*arrays, paged.scale, float64_reference(paged, tree), tree)
 
 
 # ------------------------------------------------------------- launch plans
@@ -222,9 +241,19 @@ def mx_inputs(case: MetalCase) -> list:
     return [q, k, v] + [mx.array(a) for a in (x.block_table, x.context_lens, x.query_start_loc)]
 
 
+def tree_inputs(case: MetalCase) -> dict[str, Any]:
+    """The op's tree arguments for ``case`` (none for a causal case)."""
+    tree = inputs(case).tree
+    if tree is None:
+        return {}
+    tree_start, tree_mask = tree.arrays
+    return {"tree_start": tree_start, "tree_mask": tree_mask}
+
+
 def plan_for(case: MetalCase, plan: str) -> dict[str, Any]:
     """The launch the extension would hand to MLX's JIT for this case."""
-    return extension().metal_launch_plan(*mx_inputs(case), inputs(case).scale, tiled=PLANS[plan])
+    return extension().metal_launch_plan(*mx_inputs(case), inputs(case).scale, tiled=PLANS[plan],
+                                         **tree_inputs(case))
 
 
 _inputs_cache: dict[str, PagedInputs] = {}
@@ -414,8 +443,9 @@ def test_lint_passes(path: Path) -> None:
 
 @pytest.mark.parametrize("plan", [pytest.param(p, marks=pytest.mark.task(*PLAN_TASKS[p]))
                                   for p in PLANS])
-def test_lint_passes_on_the_generated_kernels(plan: str) -> None:
-    _, text = kernel_source(plan_for(CASE_BY_NAME["smollm2_f16_9q3kv"], plan))
+@pytest.mark.parametrize("name", ["smollm2_f16_9q3kv", "tree_f16_9q3kv"])
+def test_lint_passes_on_the_generated_kernels(plan: str, name: str) -> None:
+    _, text = kernel_source(plan_for(CASE_BY_NAME[name], plan))
     assert lint_source(text, "generated.metal") == []
 
 
@@ -585,7 +615,7 @@ def test_extension_on_gpu_matches_numpy(plan: str, case: MetalCase) -> None:
     require_features(plan)
     x = inputs(case)
     with mx.stream(mx.gpu):
-        out = paged_attention(*mx_inputs(case), x.scale, tiled=PLANS[plan])
+        out = paged_attention(*mx_inputs(case), x.scale, tiled=PLANS[plan], tree=x.tree)
         got = np.array(out.astype(mx.float32)).astype(np.float64)
     # Metal's exp and sums round differently from numpy's.
     tol = {"float": 1e-4, "half": 4e-3, "bfloat": 2e-2}[case.dtype]

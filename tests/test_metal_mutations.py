@@ -331,6 +331,59 @@ def test_mutation_tiled_query_rows_past_the_tile_read_past_q() -> None:
 
 
 
+# The rows of a token tree: paged_attention_impl folds each row's drafts after its walk;
+# Day 5's dispatch gives those rows their vector threadgroups, never a tile's output.
+
+TREE_CASES = ("tree_f32_gqa3", "tree_f16_9q3kv")
+
+
+def tree_row_indices(case: MetalCase) -> np.ndarray:
+    own = np.concatenate([np.arange(c - q, c) for c, q in case.seqs])
+    return np.flatnonzero(inputs(case).tree.start <= own)
+
+
+def wrong_rows(got: np.ndarray, case: MetalCase, rows: np.ndarray) -> list[int]:
+    tol = TOLERANCE[case.dtype]
+    ref = inputs(case).ref
+    return [int(r) for r in rows if not np.allclose(got[r], ref[r], atol=tol, rtol=tol)]
+
+
+@needs_emulator
+@pytest.mark.parametrize("plan", PLANS)
+def test_mutation_tree_rows_that_ignore_their_mask_see_their_siblings(plan: str) -> None:
+    # Every draft up to the row's own is folded in: a row sees its elder siblings and
+    # cousins. Causal rows, and the first draft (it has no elder), stay right.
+    mutant = mutated("if (((mask >> ulong(draft)) & 1) == 0) {", "if (false) {", plan)
+    for case in cases(*TREE_CASES):
+        got = run_case(case, mutant(case))
+        rows = tree_row_indices(case)
+        assert wrong_rows(got, case, np.arange(case.num_rows)) == \
+            wrong_rows(got, case, rows[1:]) != [], case
+        assert len(wrong_rows(got, case, rows)) == len(rows) - 1, case
+
+
+@needs_emulator
+def test_mutation_tiles_writing_tree_rows_overwrite_them_causally() -> None:
+    # A tile computes each of its rows causally; where it writes a tree row's output too,
+    # it overwrites what the row's vector threadgroup (an earlier one) wrote.
+    mutant = mutated("!in_tree(tree_start, flat, first_pos + tile_row0 + row)", "true", "flash")
+    for case in cases(*TREE_CASES):
+        got = run_case(case, mutant(case), "forward")
+        rows = tree_row_indices(case)
+        assert wrong_rows(got, case, np.arange(case.num_rows)) == \
+            wrong_rows(got, case, rows[1:]) != [], case
+
+
+@needs_emulator
+def test_mutation_tree_rows_left_to_the_tiles_are_never_written() -> None:
+    mutant = mutated("if (query_len == 1 || in_tree(tree_start, x, own_key)) {",
+                     "if (query_len == 1) {", "flash")
+    for case in cases(*TREE_CASES):
+        got = run_case(case, mutant(case), "forward")
+        rows = tree_row_indices(case)
+        assert np.isnan(got[rows]).all() and not np.isnan(np.delete(got, rows, 0)).any(), case
+
+
 # --------------------------------------------------------- planted host bugs
 #
 # What a bug in the launcher (metal_launch.cpp) would hand to MLX: the plan, edited.

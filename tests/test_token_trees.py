@@ -17,7 +17,6 @@ from tiny_llm.cli import build_parser, engine_options
 from tiny_llm.day1_batching import DenseAttention
 from tiny_llm.day4_paged_attention import check_geometry
 from tiny_llm.engine import EngineConfig, LLMEngine
-from tiny_llm.kernels.device import rehearsing_gpu
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import (
     NgramProposer,
@@ -94,9 +93,8 @@ def test_the_engine_refuses_what_cannot_serve_a_tree(tiny_model, smollm_tokenize
     geometry = AttentionGeometry(4, 2, 64, 16, mx.float32, mx.cpu, token_trees=True)
     with pytest.raises(ValueError, match="attention='dense' cannot attend over a tree"):
         DenseAttention.check(replace(geometry, page_size=None))
-    check_geometry(geometry)  # the CPU kernels serve trees; the Metal ones do not (yet)
-    with pytest.raises(ValueError, match="the Metal kernels .* cannot attend over a tree"):
-        check_geometry(replace(geometry, device=mx.gpu))
+    check_geometry(geometry)  # the kernels serve trees, on a CPU and in Metal
+    check_geometry(replace(geometry, device=mx.gpu))
     # A chain is a tree every attention serves; without a tree, a chain of the given length.
     LLMEngine(tiny_model, smollm_tokenizer, num_pages=16, attention="page_walk",
               speculative="ngram", speculative_token_tree=[(0,), (0, 0)])
@@ -194,10 +192,6 @@ def test_the_kernels_attend_over_a_tree_as_the_dense_oracle(tiled, dtype):
     as_mx = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
     args = (as_mx(q), as_mx(k_pages), as_mx(v_pages), mx.array(block_table),
             mx.array(context_lens, dtype=mx.int32), mx.array(qsl, dtype=mx.int32), 0.25)
-    if rehearsing_gpu():  # a Mac's GPU: the Metal kernels refuse trees, by name
-        with pytest.raises(ValueError, match="the Metal kernels attend causally"):
-            paged_attention(*args, tiled=tiled, tree=tree)
-        return
     wrong = replace(tree, ancestors=tree.ancestors | np.uint64(1 << 12))  # past 9 drafts
     with pytest.raises(ValueError, match="names keys after the row's own"):
         paged_attention(*args, tiled=tiled, tree=wrong)
@@ -391,10 +385,6 @@ def test_greedy_tokens_are_identical_with_a_tree(tiny_model, smollm_tokenizer, s
     tree = [(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 1, 0), (1, 1, 1)]
     options = dict(attention=attention, speculative="ngram", speculative_token_tree=tree,
                    speculative_max_batch=8, **spec["engine"])
-    if attention != "gather" and rehearsing_gpu():  # a Mac's GPU: refused at engine build
-        with pytest.raises(ValueError, match="the Metal kernels .* cannot attend over a tree"):
-            LLMEngine(tiny_model, smollm_tokenizer, **options)
-        return
     prompts = [{"prompt_token_ids": p} for p in random_prompts(spec["n"], seed=7, hi=20)]
     params = [greedy(14)] * len(prompts)
     expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, **spec["engine"]), prompts,

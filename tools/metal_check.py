@@ -13,6 +13,7 @@ own ``utils.h`` to every JIT kernel; of it the kernels use only two type names, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import subprocess
 import sys
@@ -89,11 +90,16 @@ def sources() -> dict[str, str]:
         pages = mx.zeros((4, 16, n_kv_heads, head_dim), dtype)
         table = mx.array([[0, 1], [2, -1]], dtype=mx.int32)
         ctx, qsl = mx.array([20, 1], dtype=mx.int32), mx.array([0, 2, 3], dtype=mx.int32)
-        for tiled in (False, True):
+        # Row 1 is a draft of a token tree (it sees key 18 and itself): the kernels with
+        # their two tree inputs are other kernels for MLX's JIT.
+        tree = {"tree_start": mx.array([19, 18, 2], dtype=mx.int32),
+                "tree_mask": mx.array([0, 3, 0], dtype=mx.uint64)}
+        for tiled, trees in itertools.product((False, True), ({}, tree)):
             plan = extension().metal_launch_plan(q, pages, pages, table, ctx, qsl, 0.125,
-                                                 tiled=tiled)
+                                                 tiled=tiled, **trees)
             _, text = kernel_source(plan)
-            out[f"{name}-{'flash' if tiled else 'vector'}.metal"] = MLX_UTILS_TYPES + text
+            kind = ("flash" if tiled else "vector") + ("-tree" if trees else "")
+            out[f"{name}-{kind}.metal"] = MLX_UTILS_TYPES + text
     return out
 
 

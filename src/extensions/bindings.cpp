@@ -71,7 +71,7 @@ void bind_paged_ops(nb::module_& m) {
         "runs the vector schedule for every row (Day 4); True tiles multi-token queries (Day 5). "
         "gpu_rehearsal: on a CPU stream, make and check the Metal launch plan first. "
         "tree_start (int32 [T]) and tree_mask (uint64 [T]): rows of a token tree, which see "
-        "the keys before tree_start and, after it, the keys whose bit is set (CPU only).");
+        "the keys before tree_start and, after it, the keys whose bit is set.");
   m.def("paged_kv_write", &tiny_llm::paged_kv_write, "k_pages"_a, "v_pages"_a, "k_new"_a,
         "v_new"_a, "slot_mapping"_a, nb::kw_only(), "gpu_rehearsal"_a = false,
         "stream"_a = nb::none(),
@@ -98,13 +98,16 @@ void bind_paged_ops(nb::module_& m) {
       [](const mx::array& q, const mx::array& k_pages, const mx::array& v_pages,
          const mx::array& block_table, const mx::array& context_lens,
          const mx::array& query_start_loc, float scale, bool tiled,
+         const std::optional<mx::array>& tree_start, const std::optional<mx::array>& tree_mask,
          mx::StreamOrDevice s) {
         return plan_dict(tiny_llm::plan_paged_attention(q, k_pages, v_pages, block_table,
                                                         context_lens, query_start_loc, scale,
-                                                        tiled, mx::to_stream(s)));
+                                                        tiled, tree_start, tree_mask,
+                                                        mx::to_stream(s)));
       },
       "q"_a, "k_pages"_a, "v_pages"_a, "block_table"_a, "context_lens"_a,
-      "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true, "stream"_a = nb::none(),
+      "query_start_loc"_a, "scale"_a, nb::kw_only(), "tiled"_a = true,
+      "tree_start"_a = nb::none(), "tree_mask"_a = nb::none(), "stream"_a = nb::none(),
       "The Metal launch (arguments of mx.fast.metal_kernel and of its kernel call) that a GPU "
       "stream would run, computed on any device.");
   m.attr("cpu_query_tile") = tiny_llm::kCpuQueryTile;

@@ -52,13 +52,17 @@ const std::string& metal_header() {
 
 // The kernel body: threadgroup memory sized by the geometry, then one entry function.
 // MLX declares the inputs, outputs and every position attribute the body names.
-std::string kernel_body(bool tiled) {
+// A kernel without a token tree passes null for its two inputs (every row causal).
+std::string kernel_body(bool tiled, bool tree) {
   std::string body =
       "  threadgroup float tg_memory[paged_geometry::threadgroup_floats(GROUP, HEAD_DIM)];\n";
   body += tiled ? "  paged_attention_flash_entry" : "  paged_attention_vector_entry";
   body +=
       "<T, HEAD_DIM, GROUP>(q, k_pages, v_pages, block_table,\n"
-      "      context_lens, query_start_loc, params, out, tg_memory,\n"
+      "      context_lens, query_start_loc, params,\n";
+  body += tree ? "      tree_start, tree_mask, out, tg_memory,\n"
+               : "      nullptr, nullptr, out, tg_memory,\n";
+  body +=
       "      threadgroup_position_in_grid, simdgroup_index_in_threadgroup,\n"
       "      thread_index_in_simdgroup";
   body += tiled ? ", thread_index_in_threadgroup);\n" : ");\n";
@@ -69,7 +73,7 @@ mx::array padded(const mx::array& a, mx::Stream stream) {
   auto flat = mx::reshape(a, {-1}, stream);
   const int n = flat.shape(0);
   if (n >= kMlxConstantArraySize) return flat;
-  return mx::pad(flat, std::make_pair(0, kMlxConstantArraySize - n), mx::array(0, mx::int32),
+  return mx::pad(flat, std::make_pair(0, kMlxConstantArraySize - n), mx::array(0, a.dtype()),
                  "constant", stream);
 }
 
@@ -115,7 +119,11 @@ MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_page
                                      const mx::array& v_pages, const mx::array& block_table,
                                      const mx::array& context_lens,
                                      const mx::array& query_start_loc, float scale, bool tiled,
+                                     const std::optional<mx::array>& tree_start,
+                                     const std::optional<mx::array>& tree_mask,
                                      mx::Stream stream) {
+  if (tree_start.has_value() != tree_mask.has_value())
+    throw std::invalid_argument("paged_attention: tree_start and tree_mask go together");
   const int num_rows = q.shape(0), n_heads = q.shape(1), head_dim = q.shape(2);
   const int n_kv_heads = k_pages.shape(2), page_size = k_pages.shape(1);
   check_metal_geometry(n_heads, n_kv_heads, head_dim, page_size, q.dtype());
@@ -131,11 +139,14 @@ MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_page
   std::memcpy(&params[kParamScaleBits], &scale, sizeof(scale));
 
   MetalLaunchPlan plan;
+  const bool tree = tree_start.has_value();
   plan.name = tiled ? "tiny_llm_paged_attention_flash" : "tiny_llm_paged_attention_vector";
+  if (tree) plan.name += "_tree";
   plan.input_names = {"q", "k_pages", "v_pages", "block_table", "context_lens",
                       "query_start_loc", "params"};
+  if (tree) plan.input_names.insert(plan.input_names.end(), {"tree_start", "tree_mask"});
   plan.output_names = {"out"};
-  plan.source = kernel_body(tiled);
+  plan.source = kernel_body(tiled, tree);
   plan.header = metal_header();
   plan.inputs = {q,
                  k_pages,
@@ -144,6 +155,9 @@ MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_page
                  padded(context_lens, stream),
                  padded(query_start_loc, stream),
                  mx::array(params, {kParamCount}, mx::int32)};
+  if (tree)
+    plan.inputs.insert(plan.inputs.end(),
+                       {padded(*tree_start, stream), padded(*tree_mask, stream)});
   plan.output_shapes = {q.shape()};
   plan.output_dtypes = {q.dtype()};
   // Threadgroups: one per query row (vector schedule); with tiles, then

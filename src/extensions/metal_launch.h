@@ -9,6 +9,7 @@
 // (tools/metal_emulator/mlx_jit.py), which rebuilds the kernel MLX would compile and runs it.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -46,11 +47,15 @@ void check_metal_geometry(int n_heads, int n_kv_heads, int head_dim, int page_si
 
 // The launch of paged attention for these inputs (shapes and dtypes checked by the op).
 // `tiled`: Day 5's dispatch (vector rows + tiled multi-token queries); otherwise Day 4's
-// vector schedule for every row. The plan's small arrays are built on `stream`.
+// vector schedule for every row. `tree_start` and `tree_mask`, together or neither: the
+// rows of a token tree (paged_ops.h), which both kernels give the vector schedule. The
+// plan's small arrays are built on `stream`.
 MetalLaunchPlan plan_paged_attention(const mx::array& q, const mx::array& k_pages,
                                      const mx::array& v_pages, const mx::array& block_table,
                                      const mx::array& context_lens,
                                      const mx::array& query_start_loc, float scale, bool tiled,
+                                     const std::optional<mx::array>& tree_start,
+                                     const std::optional<mx::array>& tree_mask,
                                      mx::Stream stream);
 
 // Runs a plan through mx::fast::metal_kernel on a GPU stream; returns its outputs.

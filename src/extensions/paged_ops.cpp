@@ -157,14 +157,11 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pages,
   }
   auto stream = mx::to_stream(s);
   if (q.shape(0) == 0) return mx::zeros(q.shape(), q.dtype(), stream);
-  if (tree_start && (stream.device == mx::Device::gpu || gpu_rehearsal))
-    throw std::invalid_argument(
-        "paged_attention: the Metal kernels attend causally; token trees (tree_start, "
-        "tree_mask) run on the CPU");
   if (stream.device == mx::Device::gpu || gpu_rehearsal) {
     // The rehearsal makes (and checks) the launch plan a GPU would run, then runs the CPU's.
     auto plan = plan_paged_attention(q, k_pages, v_pages, block_table, context_lens,
-                                     query_start_loc, scale, tiled, stream);
+                                     query_start_loc, scale, tiled, tree_start, tree_mask,
+                                     stream);
     if (stream.device == mx::Device::gpu) return launch_metal(plan, stream)[0];
   }
   std::vector<mx::array> inputs{q, k_pages, v_pages, block_table, context_lens, query_start_loc};

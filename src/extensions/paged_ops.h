@@ -8,7 +8,7 @@
 //       every row takes the vector schedule (Day 4). tree_start int32 [T] and tree_mask
 //       uint64 [T], optional and together: rows of a token tree (speculative decoding), which
 //       see the keys before tree_start[t] and, of the keys tree_start[t] + j, those whose
-//       bit j is set (CpuTreeRows); the CPU kernels serve them, the Metal ones refuse them.
+//       bit j is set (CpuTreeRows); both schedules serve them, on a CPU and in Metal.
 //   paged_kv_write(k_pages, v_pages, k_new, v_new [T, Hkv, D], slot_mapping int32 [T])
 //       -> (k_pages, v_pages), written in place when the pool is donatable.
 //   Both take gpu_rehearsal (tiny_llm/kernels/device.py): on a CPU stream, decide as a GPU stream

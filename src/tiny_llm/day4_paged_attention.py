@@ -55,7 +55,6 @@ def check_geometry(geometry: AttentionGeometry) -> None:
     if g.device == mx.gpu:  # the launcher's own rule (src/extensions/metal_launch.cpp)
         extension().check_metal_geometry(g.n_heads, g.n_kv_heads, g.head_dim, g.page_size,
                                          g.dtype)
-        g.refuse_trees("the Metal kernels (attention='vector' or 'flash' on a GPU)")
 # ANCHOR_END: check_geometry
 
 

@@ -29,6 +29,14 @@ using namespace paged_geometry;
 #define TINY_LLM_TASK_STUB(message)
 #endif
 
+// Rows of a token tree (speculative decoding; tree_start and tree_mask as the CPU kernels
+// take them, or null where every row is causal): row `row`, whose own key is `own_key`,
+// sees the keys before tree_start[row] and, of the keys tree_start[row] + j, those whose
+// bit j of tree_mask[row] is set. Both kernels give such a row the vector schedule.
+inline bool in_tree(const device int* tree_start, int row, int own_key) {
+  return tree_start != nullptr && tree_start[row] <= own_key;
+}
+
 // ANCHOR: metal_vector_schedule
 template <typename T, int HEAD_DIM, int GROUP>
 void paged_attention_impl(
@@ -38,6 +46,8 @@ void paged_attention_impl(
     const device int* block_table,
     const device int* context_lens,
     const device int* query_start_loc,
+    const device int* tree_start,
+    const device ulong* tree_mask,
     device T* out,
     int num_seqs,
     int max_pages,
@@ -58,7 +68,12 @@ void paged_attention_impl(
     b += 1;
   }
   const int query_len = query_start_loc[b + 1] - query_start_loc[b];
-  const int num_keys = context_lens[b] - query_len + (int(row) - query_start_loc[b]) + 1;
+  const int own_key = context_lens[b] - query_len + (int(row) - query_start_loc[b]);
+  // A row of a token tree walks the keys before its tree's first draft (as the causal row
+  // just before them would), then folds in the drafts its mask names, after the walk.
+  const bool tree_row = in_tree(tree_start, int(row), own_key);
+  const int tree_first = tree_row ? max(tree_start[row], 0) : own_key + 1;
+  const int num_keys = tree_first;
   const int slot_stride = n_kv_heads * HEAD_DIM;
 
   float qr[GROUP][PER_LANE];
@@ -110,6 +125,39 @@ void paged_attention_impl(
     }
   }
   // END TASK
+
+  if (tree_row) {
+    // Draft i of the row's tree (key tree_first + i, never past the row's own key) is
+    // simdgroup i % 8's to fold, if bit i of the row's mask is set: the merge below sees
+    // its state as it sees the walk's.
+    const ulong mask = tree_mask[row];
+    for (int draft = int(sg); draft < 64 && tree_first + draft <= own_key; draft += kSimdgroups) {
+      if (((mask >> ulong(draft)) & 1) == 0) {
+        continue;
+      }
+      const int key = tree_first + draft;
+      const int page = block_table[b * max_pages + key / page_size];
+      const long base =
+          (long(page) * page_size + key % page_size) * slot_stride + long(kv_head) * HEAD_DIM;
+      for (int g = 0; g < GROUP; ++g) {
+        float partial = 0.0f;
+        for (int i = 0; i < PER_LANE; ++i) {
+          const int d = int(lane) + 32 * i;
+          partial += d < HEAD_DIM ? qr[g][i] * float(k_pages[base + d]) : 0.0f;
+        }
+        const float score = simd_sum(partial);
+        const float new_m = max(m[g], score);
+        const float correction = exp(m[g] - new_m);
+        const float p = exp(score - new_m);
+        l[g] = l[g] * correction + p;
+        for (int i = 0; i < PER_LANE; ++i) {
+          const int d = int(lane) + 32 * i;
+          acc[g][i] = acc[g][i] * correction + (d < HEAD_DIM ? p * float(v_pages[base + d]) : 0.0f);
+        }
+        m[g] = new_m;
+      }
+    }
+  }
 
   // Merge the simdgroups' softmax states: global max, rescaled sums and outputs.
   if (lane == 0) {
@@ -178,6 +226,7 @@ void paged_flash_impl(
     const device int* block_table,
     const device int* context_lens,
     const device int* query_start_loc,
+    const device int* tree_start,
     device T* out,
     int b,
     int tile,
@@ -312,9 +361,10 @@ void paged_flash_impl(
     for (int e = int(lane); e < 64; e += 32) {
       const int pair = int(sg) * 8 + e / 8;
       const int row = pair / GROUP;
-      if (row < rows_in_tile) {
+      const int flat = seq_start + tile_row0 + row;
+      // A tree row's output is its vector threadgroup's (see paged_attention_flash_entry).
+      if (row < rows_in_tile && !in_tree(tree_start, flat, first_pos + tile_row0 + row)) {
         const int head = int(kv_head) * GROUP + pair % GROUP;
-        const int flat = seq_start + tile_row0 + row;
         out[(flat * n_heads + head) * HEAD_DIM + c * 8 + e % 8] = T(my_scratch[e] / row_l[pair]);
       }
     }
@@ -357,6 +407,8 @@ void paged_attention_vector_entry(
     const device int* context_lens,
     const device int* query_start_loc,
     const device int* params,
+    const device int* tree_start,
+    const device ulong* tree_mask,
     device T* out,
     threadgroup float* tg_memory,
     uint3 tg_pos,
@@ -364,14 +416,16 @@ void paged_attention_vector_entry(
     uint lane) {
   const PagedParams p = read_params(params);
   paged_attention_impl<T, HEAD_DIM, GROUP>(
-      q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
+      q, k_pages, v_pages, block_table, context_lens, query_start_loc, tree_start, tree_mask,
+      out, p.num_seqs,
       p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_memory,
       tg_memory + offset_simd_sums(GROUP), tg_memory + offset_accumulator(GROUP), tg_pos.x,
       tg_pos.y, sg, lane);
 }
 
 // Day 5's kernel: one dispatch serves a mixed batch. Threadgroup x < T takes query row x
-// with the vector schedule if its sequence has a single query; the threadgroups after
+// with the vector schedule if its sequence has a single query (or the row is a token
+// tree's: its keys are not the causal range a tile assumes); the threadgroups after
 // those take (sequence, query tile) pairs with the tiled schedule if the sequence has
 // several (tiles_per_sequence per sequence, as the host sized the grid). The choice is
 // uniform per threadgroup, so every barrier is reached by all its threads.
@@ -384,6 +438,8 @@ void paged_attention_flash_entry(
     const device int* context_lens,
     const device int* query_start_loc,
     const device int* params,
+    const device int* tree_start,
+    const device ulong* tree_mask,
     device T* out,
     threadgroup float* tg_memory,
     uint3 tg_pos,
@@ -398,9 +454,12 @@ void paged_attention_flash_entry(
     while (b + 1 < p.num_seqs && query_start_loc[b + 1] <= x) {
       b += 1;
     }
-    if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
+    const int query_len = query_start_loc[b + 1] - query_start_loc[b];
+    const int own_key = context_lens[b] - query_len + (x - query_start_loc[b]);
+    if (query_len == 1 || in_tree(tree_start, x, own_key)) {
       paged_attention_impl<T, HEAD_DIM, GROUP>(
-          q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, p.num_seqs,
+          q, k_pages, v_pages, block_table, context_lens, query_start_loc, tree_start,
+          tree_mask, out, p.num_seqs,
           p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale, tg_memory,
           tg_memory + offset_simd_sums(GROUP), tg_memory + offset_accumulator(GROUP), tg_pos.x,
           tg_pos.y, sg, lane);
@@ -413,7 +472,8 @@ void paged_attention_flash_entry(
       const int query_len = query_start_loc[b + 1] - query_start_loc[b];
       if (query_len > 1 && tile * tile_rows(GROUP) < query_len) {
         paged_flash_impl<T, HEAD_DIM, GROUP>(
-            q, k_pages, v_pages, block_table, context_lens, query_start_loc, out, b, tile,
+            q, k_pages, v_pages, block_table, context_lens, query_start_loc, tree_start, out,
+            b, tile,
             p.max_pages, p.n_heads, p.n_kv_heads, p.page_size, p.scale,
             tg_memory + offset_k_tile(GROUP, HEAD_DIM), tg_memory + offset_v_tile(GROUP, HEAD_DIM),
             tg_memory + offset_scratch(GROUP, HEAD_DIM), tg_memory, tg_pos.y, sg, lane, tid);

@@ -369,7 +369,7 @@ class AttentionGeometry:
         if self.token_trees:
             raise ValueError(f"{attention} cannot attend over a tree of drafts (causal rows "
                              f"only): a speculative_token_tree that branches needs "
-                             f"attention='gather', 'vector' or 'flash' (on a CPU)")
+                             f"attention='gather', 'vector' or 'flash'")
 
 
 # ANCHOR: attention_backend

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiny_llm.step.batch import Drafts, TreeRows
 from tiny_llm.step.dense_kv import causal_attention
 
 import mlx.core as mx
@@ -113,16 +114,36 @@ def dense_reference(case: PagedCase) -> np.ndarray:
     return np.concatenate(outs)
 
 
-def float64_reference(case: PagedCase) -> np.ndarray:
-    """The same in numpy at float64 (no MLX op involved: the Metal emulator's oracle)."""
+def tree_rows(case: PagedCase, parents: tuple[int, ...]) -> TreeRows | None:
+    """The case's last sequence verifying a tree of drafts: its last ``len(parents)`` rows
+    are the drafts (``parents`` as ``Drafts`` takes them), every other row causal. None
+    without drafts."""
+    if not parents:
+        return None
+    rows, n = sum(case.query_lens), len(parents)
+    start, ancestors = np.zeros(rows, np.int32), np.zeros(rows, np.uint64)
+    qsl = case.query_start_loc
+    for b, ctx in enumerate(case.context_lens):
+        start[qsl[b] : qsl[b + 1]] = np.arange(ctx - case.query_lens[b], ctx) + 1  # past own
+    start[rows - n :] = case.context_lens[-1] - n
+    ancestors[rows - n :] = Drafts(tuple(range(n)), parents=parents).ancestor_bits()
+    return TreeRows(start, ancestors)
+
+
+def float64_reference(case: PagedCase, tree: TreeRows | None = None) -> np.ndarray:
+    """The same in numpy at float64 (no MLX op involved: the Metal emulator's oracle); rows
+    of a ``tree`` see what ``TreeRows.visible`` says."""
     q = np.array(case.q.astype(mx.float32)).astype(np.float64)
     group = q.shape[1] // case.k_pages.shape[2]
     qsl, out = case.query_start_loc, np.full(q.shape, np.nan)
     for b, ctx in enumerate(case.context_lens):
         k, v = (a.astype(np.float64) for a in gathered(case, b))
         rows = np.arange(qsl[b], qsl[b + 1])
-        last = ctx - len(rows) + np.arange(len(rows))  # causal limit per row
-        visible = np.arange(ctx)[None, :] <= last[:, None]
+        if tree is None:
+            last = ctx - len(rows) + np.arange(len(rows))  # causal limit per row
+            visible = np.arange(ctx)[None, :] <= last[:, None]
+        else:
+            visible = tree.visible(range(qsl[b], qsl[b + 1]), ctx)
         for h in range(q.shape[1]):
             s = np.where(visible, q[rows, h] @ k[:, h // group].T * case.scale, -np.inf)
             w = np.exp(s - s.max(axis=1, keepdims=True))
