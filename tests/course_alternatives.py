@@ -583,6 +583,37 @@ BODIES: dict[str, list[str]] = {
         return []
         """,
     ],
+    "6.4": [
+        """
+        committed = k.shape[0] - len(drafts)
+        rows = []
+        for i in range(-1, len(drafts)):  # -1: the last token's row
+            path = set()
+            while i >= 0:
+                path.add(committed + i)
+                i = drafts.parent(i)
+            rows.append([key < committed or key in path for key in range(k.shape[0])])
+        return causal_attention(q, k, v, scale, committed - 1, mx.array(np.array(rows)))
+        """,
+    ],
+    "6.5": [
+        """
+        kept: list[int] = []
+        node = -1  # the request's last token
+        while True:
+            p = target_probs[node + 1].copy()
+            for child in (c for c in range(len(drafts)) if drafts.parent(c) == node):
+                x, q = drafts.tokens[child], draft_probs[child]
+                if q[x] > 0 and rng.random() * q[x] < p[x]:
+                    kept.append(child)
+                    node = child
+                    break
+                p = np.clip(p - q, 0.0, None)
+                p /= p.sum()
+            else:
+                return kept, _draw(p, rng)
+        """,
+    ],
     "7.1": [
         """
         gates = mx.softmax(logits.astype(mx.float32), axis=-1)

@@ -232,6 +232,53 @@ def test_a_task_new_to_a_started_module_is_stubbed_in_place(tmp_path, monkeypatc
     assert TASKS["3.4"].message in text and EDITS["3.2"] in text
 
 
+def test_tasks_new_to_a_module_started_before_them_are_added_as_stubs(tmp_path, monkeypatch):
+    """A learner who started Day 6 before its tree tasks existed has a speculative.py without
+    ``tree_attention`` (nor the import it needs) and with ``tree_accept`` as the reference had
+    it, unmarked. The next ``start`` adds both as stubs (``tree_attention`` after the function
+    the reference puts before it, ``tree_accept`` in place of the old copy, the file saved
+    first) and keeps the learner's work: the module imports, and each new task raises its
+    error."""
+    import importlib.util
+
+    monkeypatch.setenv(learner.ENV, str(tmp_path))
+    course.start(6)
+    target = edit_region(tmp_path, "6.1", "    return 0, 0  # my acceptance rule")
+    text = target.read_text()
+    (accept, *_) = [r for r, i, _, _ in course.regions_in(text, Path(SPEC)) if i == "6.5"]
+    lines = text.splitlines()
+    lines[accept.start : accept.end + 1] = reference_body("6.5").splitlines()
+    text = "\n".join(lines) + "\n"
+    start = text.index("# ANCHOR: tree_attention")
+    end = text.index("# ANCHOR: tree_accept")
+    old = text[:start] + text[end:]
+    old = old.replace("from tiny_llm.step.dense_kv import causal_attention\n", "")
+    target.write_text(old)
+    state = json.loads((tmp_path / ".course.json").read_text())
+    state["given"] = [i for i in state["given"] if i not in ("6.4", "6.5")]
+    (tmp_path / ".course.json").write_text(json.dumps(state))
+    report = course.start(6)
+    assert any("added tree_accept (Task 6.5" in line for line in report), report
+    assert any("added tree_attention (Task 6.4" in line for line in report), report
+    assert not any("has no region" in line for line in report), report
+    saved = next((tmp_path / "backups").rglob("speculative.py"))
+    assert saved.read_text() == old
+    new = target.read_text()
+    assert "    return 0, 0  # my acceptance rule" in new
+    assert {i for _, i, _, _ in course.regions_in(new, Path(SPEC))} >= {"6.1", "6.4", "6.5"}
+    assert new.index("def speculative_accept") < new.index("def tree_attention")
+    spec = importlib.util.spec_from_file_location("learners_speculative", target)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    for task_id, call in (("6.4", lambda: module.tree_attention(None, None, None, 1.0, None)),
+                          ("6.5", lambda: module.tree_accept(None, None, None, None))):
+        with pytest.raises(NotImplementedError, match=re.escape(TASKS[task_id].message)):
+            call()
+    assert module.causal_attention is not None  # the import tree_attention needs
+    assert "kept" in course.start(6)[-1]  # and again: nothing more to add
+
+
 # ---------------------------------------------------------------------------------------
 # Stubbing one task alone fails its tests
 
@@ -545,6 +592,8 @@ MUTANTS = {
     "6.1": (SPEC, "rng.random() < min(1.0, p / q)", "rng.random() < p"),
     "6.2": (SPEC, "block_size > num_tokens:", "block_size > num_tokens + 1:"),
     "6.3": (SPEC, "range(len(tokens) - n - 1, -1, -1)", "range(len(tokens) - n)"),
+    "6.4": (SPEC, "node = drafts.parent(node)", "node = -1"),  # a draft sees no ancestor
+    "6.5": (SPEC, "p = residual / residual.sum()", "p = target_probs[row]"),  # no residual
     "7.1": (MOE, "if normalize:", "if not normalize:"),
     "7.2": (MOE, "x[order // experts.shape[1]]", "x[order // experts.shape[0]]"),
     "7.3": (MOE, "mx.zeros_like(outputs).at[order].add(outputs)", "outputs"),

@@ -17,14 +17,7 @@ from tiny_llm.cli import build_parser, engine_options
 from tiny_llm.day1_batching import DenseAttention
 from tiny_llm.day4_paged_attention import check_geometry
 from tiny_llm.engine import EngineConfig, LLMEngine
-from tiny_llm.sampling.params import SamplingParams
-from tiny_llm.speculative import (
-    NgramProposer,
-    distribution,
-    move_rows,
-    speculative_accept,
-    tree_accept,
-)
+from tiny_llm.speculative import NgramProposer, move_rows
 from tiny_llm.step.batch import AttentionGeometry, Drafts, ScheduledChunk, StepBatch, TokenTree
 from tiny_llm.step.dense_kv import causal_attention
 from tiny_llm.step.request import SequenceState
@@ -33,15 +26,7 @@ from tiny_llm.testing.runs import greedy, tokens_of
 import mlx.core as mx
 import numpy as np
 import pytest
-
-TREE = [(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 0, 0), (2, 0, 0)]
-
-
-def chi2_critical(dof: int) -> float:
-    """The chi-square value exceeded with probability ~1e-6 (Wilson-Hilferty)."""
-    z = 4.75
-    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
-
+from test_speculative import TREE, tree_drafts  # the chapter's tree (Tasks 6.4 and 6.5)
 
 # ---------------------------------------------------------------------------------------
 # The shape
@@ -116,13 +101,6 @@ def test_the_cli_reads_a_tree_as_a_python_literal(capsys):
 # The rows of a tree: positions and what each row sees
 
 
-def tree_drafts(tokens: list[int] | None = None) -> Drafts:
-    tree = TokenTree.parse(TREE)
-    index = {p: i for i, p in enumerate(tree.paths)}
-    parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in tree.paths)
-    return Drafts(tuple(tokens or range(100, 100 + len(tree))), parents=parents)
-
-
 @pytest.mark.device_independent
 def test_drafts_know_their_depths_and_ancestors():
     drafts = tree_drafts()
@@ -161,124 +139,6 @@ def test_a_tree_chunk_takes_positions_by_depth_and_sees_only_its_path():
         keys = mx.array(list(range(6)) + path)
         alone = causal_attention(q[1 + i : 2 + i], k[keys], v[keys], 0.3, len(path) + 5)
         assert mx.allclose(out[1 + i], alone[0], atol=1e-5), i
-
-
-@pytest.mark.parametrize("tiled", [False, True], ids=["vector", "tiled"])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_the_kernels_attend_over_a_tree_as_the_dense_oracle(tiled, dtype):
-    """The extension's schedules with tree rows (a request verifying the tree after 70
-    committed tokens, more than one chunk of keys, beside another's prefill chunk) against
-    the dense attention with the tree's mask, sequence by sequence."""
-    from tiny_llm.day4_paged_attention import paged_attention
-
-    page_size, n_pages, h_kv, h_q, dim = 8, 32, 2, 4, 64
-    prefill = SequenceState(list(range(8)))
-    prefill.num_computed_tokens = 3
-    verifying = SequenceState(list(range(71)))
-    verifying.num_computed_tokens = 70
-    drafts = tree_drafts()
-    chunks = [ScheduledChunk(prefill, 3, 8),
-              ScheduledChunk(verifying, 70, 71 + len(drafts), drafts)]
-    tree = StepBatch.build(chunks, kv=None).tree
-    rng = np.random.default_rng(5)
-    pages = rng.permutation(n_pages)
-    tables = [pages[:1].tolist(), pages[1:1 + -(-(71 + len(drafts)) // page_size)].tolist()]
-    block_table = np.full((2, max(map(len, tables))), -1, np.int32)
-    for b, table in enumerate(tables):
-        block_table[b, : len(table)] = table
-    context_lens, qsl = [8, 71 + len(drafts)], [0, 5, 5 + 1 + len(drafts)]
-    k_pages, v_pages = (rng.normal(size=(n_pages, page_size, h_kv, dim)) for _ in "kv")
-    q = rng.normal(size=(qsl[-1], h_q, dim))
-    as_mx = lambda a: mx.array(a.astype(np.float32)).astype(dtype)  # noqa: E731
-    args = (as_mx(q), as_mx(k_pages), as_mx(v_pages), mx.array(block_table),
-            mx.array(context_lens, dtype=mx.int32), mx.array(qsl, dtype=mx.int32), 0.25)
-    wrong = replace(tree, ancestors=tree.ancestors | np.uint64(1 << 12))  # past 9 drafts
-    with pytest.raises(ValueError, match="names keys after the row's own"):
-        paged_attention(*args, tiled=tiled, tree=wrong)
-    got = paged_attention(*args, tiled=tiled, tree=tree)
-    for b, table in enumerate(tables):
-        n = context_lens[b]
-        slots = [table[p // page_size] * page_size + p % page_size for p in range(n)]
-        k = as_mx(k_pages.reshape(-1, h_kv, dim)[slots])
-        v = as_mx(v_pages.reshape(-1, h_kv, dim)[slots])
-        rows = range(qsl[b], qsl[b + 1])
-        want = causal_attention(as_mx(q[qsl[b] : qsl[b + 1]]), k, v, 0.25, n - len(rows),
-                                mx.array(tree.visible(rows, n)))
-        tol = 1e-5 if dtype == mx.float32 else 2e-2
-        assert mx.allclose(got[qsl[b] : qsl[b + 1]].astype(mx.float32),
-                           want.astype(mx.float32), atol=tol), b
-
-
-# ---------------------------------------------------------------------------------------
-# The acceptance rule
-
-
-@pytest.mark.device_independent
-def test_a_chain_decides_as_the_chain_rule_draw_for_draw():
-    rng = np.random.default_rng(0)
-    vocab, k = 6, 4
-    for trial in range(200):
-        p = rng.dirichlet(np.ones(vocab), size=k + 1)
-        q = rng.dirichlet(np.ones(vocab), size=k)
-        tokens = [int(rng.choice(vocab, p=q[i])) for i in range(k)]
-        n, bonus = speculative_accept(tokens, p, q, np.random.default_rng(trial))
-        path, tree_bonus = tree_accept(Drafts(tuple(tokens)), p, q, np.random.default_rng(trial))
-        assert (path, tree_bonus) == (list(range(n)), bonus)
-
-
-@pytest.mark.device_independent
-def test_greedy_takes_the_longest_path_of_argmaxes():
-    # (0,)=3 (1,)=4 (2,)=5 (0,0)=1 (1,0)=2 (1,1)=6 (2,0)=2 (1,0,0)=0 (2,0,0)=3
-    drafts = tree_drafts([3, 4, 5, 1, 2, 6, 2, 0, 3])
-    vocab = 8
-    target = np.eye(vocab)[[0] * (len(drafts) + 1)]  # row 1 + i: after draft i
-    target[0] = np.eye(vocab)[4]  # after the last token: 4, which is (1,)
-    target[2] = np.eye(vocab)[6]  # after (1,): 6, which is (1, 1), not its sibling (1, 0)
-    target[6] = np.eye(vocab)[7]  # after (1, 1): 7, a leaf's bonus
-    q = np.eye(vocab)[list(drafts.tokens)]
-    assert tree_accept(drafts, target, q, np.random.default_rng(0)) == ([1, 5], 7)
-    target[0] = np.eye(vocab)[7]  # no child of the root is right: the argmax alone
-    assert tree_accept(drafts, target, q, np.random.default_rng(0)) == ([], 7)
-
-
-@pytest.mark.device_independent
-@pytest.mark.parametrize("siblings", ["drawn", "deterministic"])
-def test_what_a_tree_emits_follows_the_target_distribution(siblings):
-    """Three children of the root and two under the first, drawn from the draft's
-    distribution (with replacement) or fixed: the first two emitted tokens are distributed
-    as the target's distributions there, under the filters."""
-    params = SamplingParams(temperature=0.8, top_k=5)
-    rng = np.random.default_rng(2)
-    vocab, trials = 7, 30000
-    logits = rng.normal(size=(6, vocab)) * 2
-    p = np.stack([distribution(row, params, vocab) for row in logits])
-    q_root = distribution(logits[0] + rng.normal(size=vocab), params, vocab)
-    q_first = distribution(logits[1] + rng.normal(size=vocab), params, vocab)
-    parents = (-1, -1, -1, 0, 0)
-    counts = np.zeros((2, vocab))
-    draws = np.random.default_rng(3)
-    for _ in range(trials):
-        if siblings == "drawn":
-            tokens = [int(draws.choice(vocab, p=q)) for q in (q_root,) * 3 + (q_first,) * 2]
-            q = np.stack([q_root] * 3 + [q_first] * 2)
-        else:
-            tokens = [0, 2, 4, 1, 3]
-            q = np.eye(vocab)[tokens]
-        # Targets past the first level are one distribution whatever the node: row 1 + i
-        # for draft i, as if every node were followed by the same text.
-        target = np.stack([p[0], p[1], p[1], p[1], p[2], p[2]])
-        path, bonus = tree_accept(Drafts(tuple(tokens), parents=parents), target, q, draws)
-        emitted = [tokens[i] for i in path] + [bonus]
-        for j, token in enumerate(emitted[:2]):
-            counts[j, token] += 1
-    for j, want in enumerate((p[0], p[1])):
-        seen = counts[j].sum()
-        support = want > 0
-        expected = want[support] * seen
-        chi2 = ((counts[j][support] - expected) ** 2 / expected).sum()
-        assert chi2 < chi2_critical(max(1, support.sum() - 1)), (j, counts[j], expected)
-        assert counts[j][~support].sum() == 0
-        assert seen > 2000
 
 
 @pytest.mark.device_independent

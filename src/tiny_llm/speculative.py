@@ -44,6 +44,7 @@ from tiny_llm.day3_paged_kv import PagedKVStorage, PageTables, slots_for
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.sampling.sampler import filter_logits
 from tiny_llm.step.batch import Drafts, Emitted, ScheduledChunk, TokenTree
+from tiny_llm.step.dense_kv import causal_attention
 from tiny_llm.step.request import Request
 
 import mlx.core as mx
@@ -78,6 +79,28 @@ def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(cum) - 1))
 
 
+# ANCHOR: tree_attention
+def tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                   drafts: Drafts) -> mx.array:
+    """A verifying chunk's attention in plain MLX ops: the reference that the engine's tree
+    masks and kernels are checked against. ``q [1 + n, Hq, D]``: the rows of the request's
+    last token and of its ``n`` drafts; ``k, v [S, Hkv, D]``: the sequence's keys, draft
+    ``i``'s at ``S - n + i``. The last token's row sees the keys up to its own; draft
+    ``i``'s row sees those, its ancestors and itself, never a sibling or a cousin."""
+    # TASK 6.4: tree_attention — The tree mask
+    n, num_keys = len(drafts), k.shape[0]
+    visible = np.zeros((1 + n, num_keys), dtype=bool)
+    visible[:, : num_keys - n] = True
+    for i in range(n):
+        node = i
+        while node >= 0:
+            visible[1 + i, num_keys - n + node] = True
+            node = drafts.parent(node)
+    return causal_attention(q, k, v, scale, num_keys - n - 1, mx.array(visible))
+    # END TASK
+# ANCHOR_END: tree_attention
+
+
 # ANCHOR: tree_accept
 def tree_accept(drafts: Drafts, target_probs: np.ndarray, draft_probs: np.ndarray,
                 rng: np.random.Generator) -> tuple[list[int], int]:
@@ -93,6 +116,7 @@ def tree_accept(drafts: Drafts, target_probs: np.ndarray, draft_probs: np.ndarra
     replacement, or deterministic ones), so each try is the chain's rule on the residual
     the last one left, and the emitted token follows the model's distribution. A chain
     (one child per node) is exactly ``speculative_accept``."""
+    # TASK 6.5: tree_accept — The rule over a tree
     children: list[list[int]] = [[] for _ in range(len(drafts) + 1)]  # by row: 0 the root
     for i in range(len(drafts)):
         children[drafts.parent(i) + 1].append(i)
@@ -110,6 +134,7 @@ def tree_accept(drafts: Drafts, target_probs: np.ndarray, draft_probs: np.ndarra
             p = residual / residual.sum()
         else:
             return path, _draw(p, rng)
+    # END TASK
 # ANCHOR_END: tree_accept
 
 

@@ -9,6 +9,7 @@ learner switch then loads them in place of the reference. Kernel tasks live in a
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -104,14 +105,97 @@ def _hand_out(ws: Path, path: Path, new: set[str], given: set[str]) -> list[str]
     present = {i for _, i, _, _ in regions_in(text, path)}
     fresh, missing = in_file & new & present, in_file & new - present
     if fresh:
-        target.write_text(stubbed(text, path, fresh))
+        text = stubbed(text, path, fresh)
+        target.write_text(text)
         report.append(f"stubbed {', '.join(sorted(fresh))} in {target}; the rest is kept")
-    elif not missing:
+    added: dict[str, str] = {}  # task -> the definition added for it
+    for task_id in sorted(missing) if path.suffix == ".py" else ():
+        if (grown := with_definition_of(text, path, task_id)) is not None:
+            text, added[task_id] = grown
+    if added:
+        backup = _backup(ws, target)
+        target.write_text(text)
+        report += [f"added {name} (Task {task_id}, a stub) to {target}, with the imports it "
+                   f"needs; the rest is kept (the file as it was: {backup})"
+                   for task_id, name in added.items()]
+    missing -= set(added)
+    if not fresh and not added and not missing:
         report.append(f"kept {target} (your work is there)")
     report += [f"Task {i} has no region in {target}: copy its marked region from "
                f"src/{path} (TASK {i} ... END TASK) into your file, or delete the file and "
                f"start again (your other work in it would go)" for i in sorted(missing)]
     return report
+
+
+def with_definition_of(text: str, path: Path, task_id: str) -> tuple[str, str] | None:
+    """A learner's module written before Task ``task_id`` existed (``text``), given the
+    reference's definition that holds the task (a function or a method), stubbed: in place
+    of the learner's definition of that name, or after the one the reference puts before
+    it; and the reference's imports that the module lacks. Returns the new text and the
+    definition's name; None where that cannot be done safely (the module does not parse,
+    its definition of that name holds a task's work, or there is no place for it)."""
+    reference = (SRC.parent / path).read_text()
+    region = next(r for r, i, _, _ in regions_in(reference, path) if i == task_id)
+    try:
+        mine = ast.parse(text)
+    except SyntaxError:
+        return None
+    ref_tree = ast.parse(reference)
+    ref_class, ref_body, ref_node = _holding(ref_tree.body, region.start + 1)
+    if ref_node is None:
+        return None
+    my_body = mine.body
+    if ref_class is not None:  # a method: in the learner's class
+        owner = next((n for n in mine.body
+                      if isinstance(n, ast.ClassDef) and n.name == ref_class), None)
+        if owner is None:
+            return None
+        my_body = owner.body
+    lines, ref_lines = text.splitlines(), reference.splitlines()
+    # To the region's END TASK mark, a comment after the definition's last statement.
+    snippet = ref_lines[_first_line(ref_node) - 1 : max(ref_node.end_lineno, region.end + 1)]
+    snippet = stubbed("\n".join(snippet), path, {task_id}).splitlines()
+    names = {n.name: n for n in my_body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    if (old := names.get(ref_node.name)) is not None:
+        if any(line.lstrip().startswith("# TASK ")
+               for line in lines[_first_line(old) - 1 : old.end_lineno]):
+            return None  # the learner's definition holds a task's work
+        lines[_first_line(old) - 1 : old.end_lineno] = snippet
+    else:
+        earlier = [n.name for n in ref_body[: ref_body.index(ref_node)]
+                   if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        before = next((names[n] for n in reversed(earlier) if n in names), None)
+        if before is None:
+            return None
+        gap = [""] * (2 if my_body is mine.body else 1)
+        lines[before.end_lineno : before.end_lineno] = [*gap, *snippet]
+    imports = [n for n in mine.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    have = {ast.unparse(n) for n in imports}
+    lacking = [ast.unparse(n) for n in ref_tree.body
+               if isinstance(n, (ast.Import, ast.ImportFrom)) and ast.unparse(n) not in have]
+    if lacking:
+        at = imports[-1].end_lineno if imports else 0
+        lines[at:at] = lacking
+    return "\n".join(lines) + "\n", ref_node.name
+
+
+def _holding(body: list[ast.stmt], line: int, cls: str | None = None
+             ) -> tuple[str | None, list[ast.stmt], ast.FunctionDef | None]:
+    """The function (or a method of a top-level class: its name) of ``body`` whose lines
+    hold ``line`` (1-based), with the body it is a statement of."""
+    for node in body:
+        if not node.lineno <= line <= (node.end_lineno or node.lineno):
+            continue
+        if isinstance(node, ast.ClassDef) and cls is None:
+            return _holding(node.body, line, node.name)
+        if isinstance(node, ast.FunctionDef):
+            return cls, body, node
+    return cls, body, None
+
+
+def _first_line(node: ast.AST) -> int:
+    """A definition's first line, its decorators' included."""
+    return min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
 
 
 def reset(task_id: str) -> list[str]:
@@ -124,7 +208,6 @@ def reset(task_id: str) -> list[str]:
     if day not in started_days():
         raise ValueError(f"Day {day} is not started: `tiny-llm course start {day}` writes its "
                          "stubs")
-    backups = ws / "backups" / time.strftime("%Y%m%d-%H%M%S")
     report = []
     for path in sorted({r.path for r in tasks()[which].regions}):
         target = workspace_file(ws, path)
@@ -135,12 +218,18 @@ def reset(task_id: str) -> list[str]:
         if which not in {i for _, i, _, _ in regions_in(text, path)}:
             raise ValueError(f"{target} has no region of Task {which} (its TASK / END TASK "
                              f"marks are gone): copy the marked region from src/{path}")
-        backup = backups / target.relative_to(ws)
-        backup.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(target, backup)
+        backup = _backup(ws, target)
         target.write_text(stubbed(text, path, {which}))
         report.append(f"stubbed {which} in {target} (the file as it was: {backup})")
     return report
+
+
+def _backup(ws: Path, target: Path) -> Path:
+    """A copy of the workspace file ``target`` under ``<workspace>/backups/<time>/``."""
+    backup = ws / "backups" / time.strftime("%Y%m%d-%H%M%S") / target.relative_to(ws)
+    backup.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(target, backup)
+    return backup
 
 
 def started_days() -> list[int]:
