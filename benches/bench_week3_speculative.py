@@ -22,8 +22,9 @@ Measurements, each configuration once per round, rounds interleaved, median and 
    (``speculative_max_batch`` above the batch), and prompt lookup with the default policy
    (drafts only while at most ``speculative_max_batch`` requests run). The ratio against
    off is what the default policy was chosen from.
-3. **Trees against chains** of as many drafts (4 and 8), prompt lookup, per workload, at
-   batch 1 (each prompt alone) and 8: output tok/s, the acceptance length (tokens emitted
+3. **Trees against chains** of as many drafts (4 and 8), with prompt lookup and with the
+   draft model, per workload, at batch 1 (each prompt alone) and 8: output tok/s, the
+   acceptance length (tokens emitted
    per verifying forward: drafts kept plus the token after them) and its distribution, the
    drafts actually verified per step, and the acceptance length predicted from the measured
    rate at which a child of each rank is kept (``predicted_length``; for a chain, one rate
@@ -135,9 +136,11 @@ def main() -> None:
         "ngram, always": dict(speculative="ngram", speculative_max_batch=max(BATCHES)),
         "ngram, default policy": dict(speculative="ngram"),
     }
-    trees = {"off": {}, **{name: dict(speculative="ngram", speculative_token_tree=paths,
-                                      speculative_max_batch=max(TREE_BATCHES))
-                           for name, paths in SHAPES.items()}}
+    proposers = {"ngram": dict(speculative="ngram"),
+                 "draft": dict(speculative="draft", draft_model=draft)}
+    trees = {"off": {}, **{f"{proposer}, {name}": dict(
+        **options, speculative_token_tree=paths, speculative_max_batch=max(TREE_BATCHES))
+        for proposer, options in proposers.items() for name, paths in SHAPES.items()}}
     chats = {w: [[{"role": "user", "content": p}] for p in ps] for w, ps in WORKLOADS.items()}
     serve(model, tokenizer, chats["repetitive"][:1], 4)  # warm up
     runs: dict[str, list[dict]] = {}
@@ -221,9 +224,9 @@ def main() -> None:
                "same tokens"],
               rows2, ["", ".1f", ".1f", ".2f", ".1f", ".2f", ""],
               f"k = 4; the default policy drafts while at most {default_max} requests run."),
-        Table("3. Trees against chains of as many drafts (prompt lookup): tokens per "
-              "verifying forward, measured and predicted",
-              ["workload", "batch", "drafts", "tok/s", "× off", "tokens / forward",
+        Table("3. Trees against chains of as many drafts (prompt lookup and the draft "
+              "model): tokens per verifying forward, measured and predicted",
+              ["workload", "batch", "proposer, drafts", "tok/s", "× off", "tokens / forward",
                "predicted, shape", "predicted, verified", "verified / step",
                "steps keeping 0, 1, 2, ... drafts", "same tokens"],
               rows3, ["", "", "", ".1f", ".2f", ".2f", ".2f", ".2f", ".2f", "", ""],
@@ -254,7 +257,8 @@ def tree_rows(runs: dict[str, list[dict]], chats: dict[str, list], trees: dict[s
                 ratio = statistics.median(a / o for a, o in zip(tps, off, strict=True))
                 keys = [k for k in runs if k.startswith(prefix)]
                 acceptance = tree_acceptance([runs[k][0]["stats"] for k in keys])
-                acceptance["predicted"] = predicted_length(SHAPES[name], acceptance["rank_rates"])
+                paths = trees[name]["speculative_token_tree"]
+                acceptance["predicted"] = predicted_length(paths, acceptance["rank_rates"])
                 identical = all(
                     x["tokens"] == y["tokens"]
                     for k in keys for x, y in zip(runs[k], runs[k.replace(f"|{name}|", "|off|")],

@@ -166,3 +166,17 @@ def tiny_model():
     from tiny_llm.testing.models import make_tiny_model
 
     return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model():
+    """The target's weights with a little noise: a draft that is right about half the time."""
+    from tiny_llm.testing.models import make_tiny_model
+
+    from mlx.utils import tree_map
+
+    draft = make_tiny_model()
+    mx.random.seed(3)
+    draft.update(tree_map(lambda p: p + 0.003 * mx.random.normal(p.shape), draft.parameters()))
+    mx.eval(draft.parameters())
+    return draft

@@ -29,7 +29,7 @@ from tiny_llm.step.batch import Drafts, ScheduledChunk, StepBatch, TokenTree
 from tiny_llm.step.dense_kv import causal_attention
 from tiny_llm.step.request import SequenceState
 from tiny_llm.structured import StructuredOutput
-from tiny_llm.testing.models import make_repeater_model, make_tiny_model
+from tiny_llm.testing.models import make_repeater_model
 from tiny_llm.testing.runs import greedy, served_alone, tokens_of
 
 import mlx.core as mx
@@ -415,18 +415,6 @@ def repetitive_prompts(n: int, seed: int) -> list[dict]:
         phrase = [rng.randrange(100, 40000) for _ in range(rng.randint(3, 8))]
         out.append({"prompt_token_ids": phrase * rng.randint(2, 4) + phrase[:2]})
     return out
-
-
-@pytest.fixture(scope="module")
-def other_tiny_model():
-    """The target's weights with a little noise: a draft that is right about half the time."""
-    from mlx.utils import tree_map
-
-    draft = make_tiny_model()
-    mx.random.seed(3)
-    draft.update(tree_map(lambda p: p + 0.003 * mx.random.normal(p.shape), draft.parameters()))
-    mx.eval(draft.parameters())
-    return draft
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Tree speculation: the tree's shape, its rows' positions and mask, the acceptance rule over
-a tree, the move of accepted rows, and the engine.
+"""Tree speculation in the engine: the tree's shape and its refusals, the rows' positions and
+mask in a step, both proposers' trees, the move of accepted rows, and the engine. The tree
+mask's reference and the rule over a tree are the chapter's tasks (6.4 and 6.5), tested
+with the chapter's tests in test_speculative.py.
 
-Oracles: a chain's rule (a tree of one child per node must decide as ``speculative_accept``
-does, draw for draw), the target distribution (chi-square over many seeded trials), the dense
-attention over each draft's own path, and the engine without speculation (greedy tokens
-identical, alone, batched and with preemption, with drafts accepted off the first branch so
-that accepted rows move).
+Oracles: the causal attention over each draft's own path, the draft model's own chain after
+a node's path, and the engine without speculation (greedy tokens identical, alone, batched
+and with preemption, with drafts accepted off the first branch so that accepted rows move).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tiny_llm.cli import build_parser, engine_options
 from tiny_llm.day1_batching import DenseAttention
 from tiny_llm.day4_paged_attention import check_geometry
 from tiny_llm.engine import EngineConfig, LLMEngine
+from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.speculative import NgramProposer, move_rows
 from tiny_llm.step.batch import AttentionGeometry, Drafts, ScheduledChunk, StepBatch, TokenTree
 from tiny_llm.step.dense_kv import causal_attention
@@ -61,8 +62,7 @@ def test_a_malformed_tree_is_refused_by_name(paths, message):
 
 def test_the_engine_refuses_what_cannot_serve_a_tree(tiny_model, smollm_tokenizer):
     tree = dict(speculative="ngram", speculative_token_tree=[(0,), (1,)])
-    with pytest.raises(ValueError, match="draft model proposes chains"):
-        EngineConfig(**{**tree, "speculative": "draft"}, draft_model="x")
+    EngineConfig(**{**tree, "speculative": "draft"}, draft_model="x")  # both proposers grow trees
     with pytest.raises(ValueError, match="needs speculative='ngram' or 'draft'"):
         EngineConfig(speculative_token_tree=[(0,)])
     with pytest.raises(ValueError, match="num_speculative_tokens=3, but .* has 2 nodes"):
@@ -266,6 +266,89 @@ def test_greedy_tokens_are_identical_with_a_tree(tiny_model, smollm_tokenizer, s
     if scenario == "preemption":
         assert stats["num_preemptions"] > 0
     engine.kv.blocks.check_invariants()
+
+
+DRAFT_TREE = [(0,), (1,), (0, 0), (1, 0), (1, 1), (0, 0, 0), (1, 0, 0)]
+
+
+def draft_engine(target, draft, tokenizer, **options):
+    return LLMEngine(target, tokenizer, speculative="draft", draft_model=(draft, tokenizer),
+                     speculative_token_tree=DRAFT_TREE, **options)
+
+
+def test_the_draft_model_grows_each_node_from_its_own_path(tiny_model, other_tiny_model,
+                                                           smollm_tokenizer):
+    """A greedy request's tree from the draft model, one forward per depth: a node's
+    children are the draft's top-ranked tokens after the node's own path, whichever nodes
+    shared its forward. Oracle: the draft's chain after the request's tokens followed by
+    the path, proposed for a request alone."""
+    engine = draft_engine(tiny_model, other_tiny_model, smollm_tokenizer, num_pages=64)
+    proposer = engine.core.spec.proposer
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+
+    def request(tokens: list[int]):
+        return engine.inputs.make_request({"prompt_token_ids": tokens}, greedy(8), "r")
+
+    drafts, = proposer.propose([request(prompt)], [TokenTree.parse(DRAFT_TREE)])
+    assert drafts.parents == (-1, -1, 0, 1, 1, 2, 3)
+    paths = TokenTree.parse(DRAFT_TREE).paths
+    for i, path in enumerate(paths):
+        before, node = [], drafts.parent(i)
+        while node >= 0:
+            before.insert(0, drafts.tokens[node])
+            node = drafts.parent(node)
+        ranks = path[-1] + 1  # the draft's top tokens after the path: a fresh proposer's
+        alone = draft_engine(tiny_model, other_tiny_model, smollm_tokenizer, num_pages=64)
+        wide = TokenTree([(r,) for r in range(ranks)])
+        top, = alone.core.spec.proposer.propose([request(prompt + before)], [wide])
+        assert drafts.tokens[i] == top.tokens[path[-1]], path
+    assert len(set(drafts.tokens[:2])) == 2  # siblings: the two best, not one token twice
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_tokens_are_identical_with_a_draft_models_tree(tiny_model, other_tiny_model,
+                                                              smollm_tokenizer, scenario):
+    from tiny_llm.testing.runs import random_prompts
+
+    spec = SCENARIOS[scenario]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(spec["n"], seed=9, hi=20)]
+    params = [greedy(12)] * len(prompts)
+    expected = tokens_of(LLMEngine(tiny_model, smollm_tokenizer, **spec["engine"]), prompts,
+                         params)
+    engine = draft_engine(tiny_model, other_tiny_model, smollm_tokenizer, **spec["engine"],
+                          speculative_max_batch=8)
+    assert tokens_of(engine, prompts, params) == expected
+    stats = engine.stats()
+    # A noisy draft: its first choice is kept sometimes, and its second now and then.
+    assert stats["rank_accepts"][0] > 0 and stats["rank_tries"][1] > 0
+    assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats["num_free_pages"] == stats["num_pages"]
+    if scenario == "preemption":
+        assert stats["num_preemptions"] > 0
+    engine.kv.blocks.check_invariants()
+    engine.core.spec.proposer.kv.blocks.check_invariants()
+
+
+def test_a_sampled_draft_tree_draws_each_sibling_and_is_reproducible(tiny_model,
+                                                                     smollm_tokenizer):
+    """Sampled requests: a node's siblings are draws of their own from the draft's
+    distribution after it (with replacement), recorded as that distribution; a seeded run
+    gives the same tokens twice."""
+    engine = draft_engine(tiny_model, tiny_model, smollm_tokenizer, num_pages=64)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+    request = engine.inputs.make_request({"prompt_token_ids": [5, 6, 7, 8]}, params, "s")
+    drafts, = engine.core.spec.proposer.propose([request], [TokenTree.parse(DRAFT_TREE)])
+    assert drafts.probs.shape == (len(DRAFT_TREE), tiny_model.config.vocab_size)
+    for i in range(len(drafts)):
+        siblings = [j for j in range(len(drafts)) if drafts.parent(j) == drafts.parent(i)]
+        assert all(np.array_equal(drafts.probs[j], drafts.probs[i]) for j in siblings)
+        assert drafts.probs[i][drafts.tokens[i]] > 0
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 9, 4]}]
+    seeded = [SamplingParams(temperature=0.8, seed=10 + i, max_tokens=10, ignore_eos=True)
+              for i in range(2)]
+    runs = [tokens_of(draft_engine(tiny_model, tiny_model, smollm_tokenizer, num_pages=64),
+                      prompts, seeded) for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
 
 
 def test_prompt_lookup_trees_keep_greedy_tokens(smollm_tokenizer):

@@ -10,7 +10,10 @@ a small example, then written as SVG to ``book/src/figures/``.
   sizes of ``paged_attention_geometry.h``: which pages each simdgroup walks, and which
   elements of a key each lane holds;
 - ``layers.svg`` (the architecture chapter): the package's layers as ``tiny_llm.LAYERS``
-  states them, with each package's modules as they are on disk.
+  states them, with each package's modules as they are on disk;
+- ``token-tree.svg`` (speculative decoding): a tree of drafts with the positions and the
+  mask ``StepBatch.build`` gives its rows, the path ``tree_accept`` keeps, and the row moves
+  ``move_accepted`` makes.
 
 The files are committed; ``tests/test_book.py`` draws them again and fails if a committed
 one differs, so a diagram cannot drift from the code it shows.
@@ -311,12 +314,113 @@ def _layer_detail(name: str, role: str) -> str:
     return detail
 
 
+# ---------------------------------------------------------------------------------------
+# Speculative decoding: a tree of drafts, its mask, and the cache after acceptance
+
+
+def token_tree() -> str:
+    from tiny_llm import speculative
+    from tiny_llm.step.batch import Drafts, ScheduledChunk, StepBatch, TokenTree
+
+    import numpy as np
+
+    tree = TokenTree.parse([(0,), (1,), (0, 0), (1, 0), (1, 1)])
+    words = ["cat", "dog", "sat", "ran", "was"]  # the drafts' tokens, one per node
+    index = {path: i for i, path in enumerate(tree.paths)}
+    parents = tuple(index[p[:-1]] if len(p) > 1 else -1 for p in tree.paths)
+    drafts = Drafts(tuple(range(len(words))), parents=parents)
+    committed = 7  # the request's tokens; the last one, "the", at position 6
+    chunk = ScheduledChunk(_Request(committed), committed - 1, committed + len(drafts), drafts)
+    batch = StepBatch.build([chunk], None)
+    positions = batch.positions.tolist()
+    visible = batch.tree.visible(range(1 + len(drafts)), committed + len(drafts))
+    # The model's greedy choices: "dog" after "the", "was" after "dog", then "here" (token 9).
+    target = np.eye(10)[[1, 9, 4, 9, 9, 9]]
+    path, _ = speculative.tree_accept(drafts, target, np.eye(10)[list(drafts.tokens)],
+                                      np.random.default_rng(0))
+    moves: list[tuple[list[int], list[int]]] = []
+    real_move = speculative.move_rows
+    speculative.move_rows = lambda kv, request, src, dst: moves.append((src, dst))
+    try:
+        decoding = speculative.SpeculativeDecoding(None, None, 10, None, 0)
+        decoding.move_accepted([chunk], {chunk.request: speculative.Emitted([], tuple(path))})
+    finally:
+        speculative.move_rows = real_move
+    (src, dst), = moves
+    svg = Svg(820, 470, "A tree of drafts: its rows, its mask, and the cache after acceptance")
+    svg.text(20, 28, "speculative_token_tree [(0,), (1,), (0, 0), (1, 0), (1, 1)] after "
+             "\"the\": one forward verifies five drafts", anchor="start", bold=True)
+    # The tree: the last token at the root, each node under its parent.
+    node_xy = {-1: (200.0, 80.0)}
+    for i, node in enumerate(tree.paths):  # under its parent, siblings spread by rank
+        siblings = sum(1 for other in tree.paths if other[:-1] == node[:-1])
+        px, py = node_xy[parents[i]]
+        spread = 210 if len(node) == 1 else 120
+        node_xy[i] = (px + (node[-1] - (siblings - 1) / 2) * spread, py + 70)
+    for i, parent in enumerate(parents):
+        (x1, y1), (x2, y2) = node_xy[parent], node_xy[i]
+        svg.line(x1, y1 + 14, x2, y2 - 14, color="#2a7" if i in path else "#999",
+                 width=2.5 if i in path else 1)
+    for i, (x, y) in node_xy.items():
+        fill = "#eee" if i < 0 else "#bfe6c4" if i in path else "#f3f3f3"
+        svg.rect(x - 34, y - 14, 68, 28, fill)
+        label = "the" if i < 0 else f"d{i} {words[i]}"
+        svg.text(x, y + 5, label, bold=i in path)
+        row = 1 + i
+        svg.text(x + 38, y + 5, f"pos {positions[row]}", anchor="start", size=11, color="#555")
+    svg.text(20, 330, "green: the path the model accepts (tree_accept, greedy): d1 dog, d4 was,",
+             anchor="start", size=12, color="#444")
+    svg.text(20, 346, "then its own next token; each node sits at its depth's position.",
+             anchor="start", size=12, color="#444")
+    # The mask: which keys each row of the chunk sees.
+    cell, mx0, my0 = 36, 460, 80
+    keys = ["...", "the", *(f"d{i}" for i in range(len(drafts)))]
+    first_key = committed - 2  # one column for the keys before "the"
+    svg.text(mx0 + cell * len(keys) / 2, my0 - 22, "StepBatch.tree: keys each row sees",
+             bold=True)
+    for c, name in enumerate(keys):
+        svg.text(mx0 + c * cell + cell / 2, my0 - 4, name, size=11)
+    for r in range(1 + len(drafts)):
+        svg.text(mx0 - 8, my0 + r * cell + cell / 2 + 4, "the" if r == 0 else f"d{r - 1}",
+                 anchor="end", size=11)
+        for c in range(len(keys)):
+            seen = bool(visible[r, first_key + c])
+            svg.rect(mx0 + c * cell, my0 + r * cell, cell, cell, "#7fb3e0" if seen else "white",
+                     stroke="#bbb")
+    # The cache rows after the last token, before and after acceptance.
+    cy, cx0, slot = 385, 20, 62
+    first = committed  # the draft rows: first + i
+    before = ["the", *(f"d{i} {words[i]}" for i in range(len(drafts)))]
+    after = ["the", *(f"d{i} {words[i]}" for i in path)]
+    svg.text(cx0, cy - 12, "The KV rows from the last token on: accepted rows move to their "
+             "depth's row (move_rows), the rest are rewound", anchor="start", size=12, bold=True)
+    for k, label in enumerate(before):
+        svg.rect(cx0 + 70 + k * slot, cy, slot - 4, 24, "#f3f3f3")
+        svg.text(cx0 + 70 + k * slot + (slot - 4) / 2, cy + 16, label, size=11)
+    svg.text(cx0 + 60, cy + 16, "before", anchor="end", size=11)
+    for k in range(len(before)):
+        filled = k < len(after)
+        svg.rect(cx0 + 70 + k * slot, cy + 50, slot - 4, 24, "#bfe6c4" if filled else "white",
+                 dashed=not filled)
+        if filled:
+            svg.text(cx0 + 70 + k * slot + (slot - 4) / 2, cy + 66, after[k], size=11)
+    svg.text(cx0 + 60, cy + 66, "after", anchor="end", size=11)
+    for s_row, d_row in zip(src, dst, strict=True):
+        xs = cx0 + 70 + (1 + s_row - first) * slot + (slot - 4) / 2
+        xd = cx0 + 70 + (1 + d_row - first) * slot + (slot - 4) / 2
+        svg.line(xs, cy + 26, xd, cy + 48, arrow=True)
+    svg.text(cx0 + 70 + len(before) * slot + 10, cy + 66, "dashed: back to the pool",
+             anchor="start", size=11, color="#444")
+    return svg.render()
+
+
 FIGURES_BY_NAME: dict[str, Callable[[], str]] = {
     "flat-batch.svg": flat_batch,
     "page-walk.svg": page_walk,
     "tiles-diagonal.svg": tiles_diagonal,
     "metal-threadgroup.svg": metal_threadgroup,
     "layers.svg": layers,
+    "token-tree.svg": token_tree,
 }
 
 

@@ -29,10 +29,12 @@ scheduler commits pages only up to the accepted length).
 The drafts may form a tree (``TokenTree``: several guesses per position, a chain being the
 tree of one child per node). Its nodes are the extra rows of the request's chunk, breadth
 first; a node sits at the position its depth gives and sees the committed tokens and its
-own ancestors only (``StepBatch.tree``). ``tree_accept`` walks down from the root, trying
-each node's children in turn on the residual the last rejection left, and the accepted
-path's K/V moves into the rows right after the last token (``move_accepted``) before the
-rest is rewound.
+own ancestors only (``StepBatch.tree``; ``tree_attention`` is that mask in plain MLX ops,
+the reference the engine's masks and kernels are checked against). ``tree_accept`` walks
+down from the root, trying each node's children in turn on the residual the last rejection
+left, and the accepted path's K/V moves into the rows right after the last token
+(``move_accepted``) before the rest is rewound. Both proposers grow trees: prompt lookup
+from several earlier occurrences, the draft model one forward per depth.
 """
 
 from __future__ import annotations
@@ -250,25 +252,71 @@ class NgramProposer:
 # ANCHOR_END: ngram
 
 
-class _DraftSequence:
-    """A request's tokens followed by the drafts proposed so far (what the draft reads)."""
+class _GrowingTree:
+    """A request's tree of drafts as the draft model grows it, one depth per forward. The
+    draft reads it as a sequence: the request's tokens, then a chain's drafts as they come."""
 
-    def __init__(self, request: Request):
-        self.tokens = request.token_ids_between(0, request.num_tokens)
+    def __init__(self, request: Request, tree: TokenTree):
+        self.request, self.tree = request, tree
+        self.sequence = request.token_ids_between(0, request.num_tokens)
+        self.tokens: list[int] = []  # the nodes so far, breadth first (as tree.paths)
+        self.probs: list[np.ndarray] = []
+        self.parents: list[int] = []
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.sequence)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
+        return self.sequence[start:end]
+
+    def chunk(self, depth: int, computed: int) -> ScheduledChunk:
+        """The rows whose logits give the nodes at ``depth``. A chain's: the tokens the draft
+        has not computed (the request's new ones, then the last draft). A branching tree's,
+        past depth 1: the request's last token and every node so far, each node's row seeing
+        its own path (``Drafts``), its K/V written again to the same rows."""
+        n = self.request.num_tokens
+        if depth == 1 or self.tree.is_chain:
+            return ScheduledChunk(self, computed, self.num_tokens)
+        return ScheduledChunk(self, n - 1, n + len(self.tokens),
+                              Drafts(tuple(self.tokens), parents=tuple(self.parents)))
+
+    def grow(self, depth: int, logits: mx.array, vocab: int) -> None:
+        """The nodes at ``depth`` from ``logits`` (the chunk's logit rows): a node's
+        children are the top-ranked tokens after it for a greedy request, else as many
+        draws from the draft's distribution, with replacement and the request's generator
+        (each sibling a draw of its own: ``tree_accept``'s proof needs it)."""
+        params, rng = self.request.params, self.request.sampler.rng
+        first = len(self.tokens)
+        for path in self.tree.paths:
+            if len(path) != depth or path[-1] > 0:
+                continue
+            parent = self.tree.paths.index(path[:-1]) if depth > 1 else -1
+            row = logits[0 if parent < 0 or self.tree.is_chain else 1 + parent]
+            q = distribution(row, params, vocab)
+            n = sum(1 for p in self.tree.paths if p[:-1] == path[:-1])
+            if params.greedy:
+                scores = np.array(row.astype(mx.float32))
+                tokens = np.argsort(-scores, kind="stable")[:n].tolist()
+            else:
+                tokens = [_draw(q, rng) for _ in range(n)]
+            self.tokens += tokens
+            self.probs += [q] * n
+            self.parents += [parent] * n
+        if self.tree.is_chain:
+            self.sequence += self.tokens[first:]
+
+    def drafts(self) -> Drafts:
+        return Drafts(tuple(self.tokens), np.stack(self.probs) if self.probs else None,
+                      None if self.tree.is_chain else tuple(self.parents))
 
 
 class DraftModelProposer:
-    """A smaller model with the same tokenizer drafts ``k`` tokens per request, sampled with
-    the request's own parameters and generator. It runs through a model runner of its own
-    (the engine's ``ModelRunner`` over the draft's paged KV pool: its own block tables, keyed
-    by the request objects as the target's are)."""
+    """A smaller model with the same tokenizer drafts each request's tree (a chain of ``k``
+    by default), one draft forward per depth, sampled with the request's own parameters and
+    generator. It runs through a model runner of its own (the engine's ``ModelRunner`` over
+    the draft's paged KV pool: its own block tables, keyed by the request objects as the
+    target's are)."""
 
     def __init__(self, runner: Any):
         self.runner = runner
@@ -276,35 +324,28 @@ class DraftModelProposer:
         self.computed: dict[Request, int] = {}  # tokens of the request whose K/V it holds
 
     def propose(self, requests: list[Request], trees: list[TokenTree]) -> list[Drafts]:
-        """A chain per request (``EngineConfig`` refuses trees that branch for it)."""
-        k = [len(tree) for tree in trees]
         vocab = self.runner.model.config.vocab_size
-        seqs = [_DraftSequence(r) for r in requests]
-        drafts: list[list[int]] = [[] for _ in requests]
-        probs: list[list[np.ndarray]] = [[] for _ in requests]
-        active = [i for i, n in enumerate(k) if n > 0]
-        while active:
-            # What the draft has not computed yet: a catch-up chunk the first time (the
-            # request's new tokens), then the draft token it just proposed.
-            active = [i for i in active if self.kv.allocate(requests[i], seqs[i].num_tokens)]
+        growing = [_GrowingTree(r, t) for r, t in zip(requests, trees, strict=True)]
+        active = growing
+        for depth in range(1, max((t.depth for t in trees), default=0) + 1):
+            active = [g for g in active if depth <= g.tree.depth]
+            chunks = [g.chunk(depth, self.computed.get(g.request, 0)) for g in active]
+            # The draft's pool full: those requests verify the nodes they have so far.
+            fits = [self.kv.allocate(g.request, c.end) for g, c in zip(active, chunks, strict=True)]
+            active = [g for g, ok in zip(active, fits, strict=True) if ok]
+            chunks = [c for c, ok in zip(chunks, fits, strict=True) if ok]
             if not active:
-                break  # the draft's pool is full: those requests decode without drafts
-            chunks = [ScheduledChunk(requests[i], self.computed.get(requests[i], 0),
-                                     seqs[i].num_tokens) for i in active]
+                break
             # The draft reads its own token sequences, in the pages of the requests' tables.
-            _, logits = self.runner.run([ScheduledChunk(seqs[i], c.start, c.end)
-                                         for i, c in zip(active, chunks, strict=True)],
-                                        self.kv.layout(chunks))
-            for row, (i, chunk) in enumerate(zip(active, chunks, strict=True)):
-                self.computed[requests[i]] = chunk.end
-                q = distribution(logits[row], requests[i].params, vocab)
-                token = _draw(q, requests[i].sampler.rng)
-                drafts[i].append(token)
-                probs[i].append(q)
-                seqs[i].tokens.append(token)
-            active = [i for i in active if len(drafts[i]) < k[i]]
-        return [Drafts(tuple(d), np.stack(p) if p else None) for d, p in
-                zip(drafts, probs, strict=True)]
+            batch, logits = self.runner.run(chunks, self.kv.layout(
+                [replace(c, request=g.request) for g, c in zip(active, chunks, strict=True)]))
+            rows = np.cumsum([0, *batch.num_logits])
+            for i, (g, chunk) in enumerate(zip(active, chunks, strict=True)):
+                # K/V past the request's tokens is a chain's drafts' alone (a tree's nodes
+                # sit breadth first, not where an accepted path puts them).
+                self.computed[g.request] = chunk.end if g.tree.is_chain else g.request.num_tokens
+                g.grow(depth, logits[rows[i] : rows[i + 1]], vocab)
+        return [g.drafts() for g in growing]
 
     def rewind(self, request: Request) -> None:
         """The request's tokens changed (drafts rejected): keep only K/V of tokens it has."""

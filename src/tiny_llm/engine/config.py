@@ -150,9 +150,6 @@ class EngineConfig:
         if self.num_speculative_tokens not in (None, len(tree)):
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}, but "
                              f"speculative_token_tree has {len(tree)} nodes: give one of them")
-        if not tree.is_chain and self.speculative == "draft":
-            raise ValueError("the draft model proposes chains: a speculative_token_tree that "
-                             "branches needs speculative='ngram'")
         if not tree.is_chain and self.tensor_parallel_size > 1:
             raise ValueError("tensor parallelism sends its workers causal steps: a "
                              "speculative_token_tree that branches needs tensor_parallel_size=1")

@@ -353,6 +353,9 @@ def _speculation(cfg: EngineConfig, model: Model, tokenizer: Tokenizer, max_mode
         draft = load_draft_model(model, tokenizer, cfg.draft_model)
         pages = pool_pages(draft.config, draft.dtype, cfg.page_size, max_model_len,
                            cfg.max_num_seqs)
+        FlashAttention.check(AttentionGeometry.of(
+            draft.config, cfg.page_size, draft.dtype,
+            token_trees=not cfg.speculative_token_tree.is_chain))
         kv = PagedKVStorage(draft.config, pages, cfg.page_size, False, draft.dtype)
         kernels = KernelSettings(cfg.cpu_kernels, False, cfg.fused_layers)
         proposer = DraftModelProposer(ModelRunner(draft, kv, FlashAttention(kv), kernels,
