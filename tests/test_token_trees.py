@@ -305,6 +305,18 @@ def test_the_draft_model_grows_each_node_from_its_own_path(tiny_model, other_tin
     assert len(set(drafts.tokens[:2])) == 2  # siblings: the two best, not one token twice
 
 
+@pytest.mark.device_independent
+def test_a_greedy_nodes_children_are_the_best_scores_in_order():
+    from tiny_llm.speculative import _top
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        scores = rng.normal(size=300).astype(np.float32)
+        scores[rng.integers(300, size=20)] = scores.max()  # ties at the top
+        for n in (1, 2, 5):
+            assert _top(scores, n) == np.argsort(-scores, kind="stable")[:n].tolist()
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_tokens_are_identical_with_a_draft_models_tree(tiny_model, other_tiny_model,
                                                               smollm_tokenizer, scenario):

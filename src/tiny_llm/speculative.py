@@ -252,6 +252,17 @@ class NgramProposer:
 # ANCHOR_END: ngram
 
 
+def _top(scores: np.ndarray, n: int) -> list[int]:
+    """The ``n`` highest-scoring tokens, best first (equal scores among them: the lower id
+    first, as argmax)."""
+    if n == 1:
+        return [int(np.argmax(scores))]
+    nth = np.partition(scores, len(scores) - n)[len(scores) - n]  # the n-th best score
+    above = np.flatnonzero(scores > nth)
+    tied = np.flatnonzero(scores == nth)[: n - len(above)]
+    return sorted([*above.tolist(), *tied.tolist()], key=lambda t: (-scores[t], t))
+
+
 class _GrowingTree:
     """A request's tree of drafts as the draft model grows it, one depth per forward. The
     draft reads it as a sequence: the request's tokens, then a chain's drafts as they come."""
@@ -293,13 +304,10 @@ class _GrowingTree:
                 continue
             parent = self.tree.paths.index(path[:-1]) if depth > 1 else -1
             row = logits[0 if parent < 0 or self.tree.is_chain else 1 + parent]
-            q = distribution(row, params, vocab)
+            scores = np.array(row.astype(mx.float32))
+            q = distribution(scores, params, vocab)
             n = sum(1 for p in self.tree.paths if p[:-1] == path[:-1])
-            if params.greedy:
-                scores = np.array(row.astype(mx.float32))
-                tokens = np.argsort(-scores, kind="stable")[:n].tolist()
-            else:
-                tokens = [_draw(q, rng) for _ in range(n)]
+            tokens = _top(scores, n) if params.greedy else [_draw(q, rng) for _ in range(n)]
             self.tokens += tokens
             self.probs += [q] * n
             self.parents += [parent] * n
