@@ -353,7 +353,7 @@ def wrong_rows(got: np.ndarray, case: MetalCase, rows: np.ndarray) -> list[int]:
 def test_mutation_tree_rows_that_ignore_their_mask_see_their_siblings(plan: str) -> None:
     # Every draft up to the row's own is folded in: a row sees its elder siblings and
     # cousins. Causal rows, and the first draft (it has no elder), stay right.
-    mutant = mutated("if (((mask >> ulong(draft)) & 1) == 0) {", "if (false) {", plan)
+    mutant = mutated("if (((mask >> uint64_t(draft)) & 1) == 0) {", "if (false) {", plan)
     for case in cases(*TREE_CASES):
         got = run_case(case, mutant(case))
         rows = tree_row_indices(case)

@@ -47,7 +47,7 @@ void paged_attention_impl(
     const device int* context_lens,
     const device int* query_start_loc,
     const device int* tree_start,
-    const device ulong* tree_mask,
+    const device uint64_t* tree_mask,
     device T* out,
     int num_seqs,
     int max_pages,
@@ -130,9 +130,9 @@ void paged_attention_impl(
     // Draft i of the row's tree (key tree_first + i, never past the row's own key) is
     // simdgroup i % 8's to fold, if bit i of the row's mask is set: the merge below sees
     // its state as it sees the walk's.
-    const ulong mask = tree_mask[row];
+    const uint64_t mask = tree_mask[row];
     for (int draft = int(sg); draft < 64 && tree_first + draft <= own_key; draft += kSimdgroups) {
-      if (((mask >> ulong(draft)) & 1) == 0) {
+      if (((mask >> uint64_t(draft)) & 1) == 0) {
         continue;
       }
       const int key = tree_first + draft;
@@ -408,7 +408,7 @@ void paged_attention_vector_entry(
     const device int* query_start_loc,
     const device int* params,
     const device int* tree_start,
-    const device ulong* tree_mask,
+    const device uint64_t* tree_mask,
     device T* out,
     threadgroup float* tg_memory,
     uint3 tg_pos,
@@ -439,7 +439,7 @@ void paged_attention_flash_entry(
     const device int* query_start_loc,
     const device int* params,
     const device int* tree_start,
-    const device ulong* tree_mask,
+    const device uint64_t* tree_mask,
     device T* out,
     threadgroup float* tg_memory,
     uint3 tg_pos,
