@@ -9,10 +9,11 @@ that reads it, or multiplies it by a zero probability, shows it in its output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tiny_llm.step.batch import Drafts, TreeRows
+from tiny_llm.step.batch import Drafts, ScheduledChunk, TreeRows
 from tiny_llm.step.dense_kv import causal_attention
+from tiny_llm.step.request import SequenceState
 
 import mlx.core as mx
 import numpy as np
@@ -116,18 +117,15 @@ def dense_reference(case: PagedCase) -> np.ndarray:
 
 def tree_rows(case: PagedCase, parents: tuple[int, ...]) -> TreeRows | None:
     """The case's last sequence verifying a tree of drafts: its last ``len(parents)`` rows
-    are the drafts (``parents`` as ``Drafts`` takes them), every other row causal. None
-    without drafts."""
+    are the drafts (``parents`` as ``Drafts`` takes them), every other row causal; the rows'
+    metadata as a step of these chunks carries it. None without drafts."""
     if not parents:
         return None
-    rows, n = sum(case.query_lens), len(parents)
-    start, ancestors = np.zeros(rows, np.int32), np.zeros(rows, np.uint64)
-    qsl = case.query_start_loc
-    for b, ctx in enumerate(case.context_lens):
-        start[qsl[b] : qsl[b + 1]] = np.arange(ctx - case.query_lens[b], ctx) + 1  # past own
-    start[rows - n :] = case.context_lens[-1] - n
-    ancestors[rows - n :] = Drafts(tuple(range(n)), parents=parents).ancestor_bits()
-    return TreeRows(start, ancestors)
+    chunks = [ScheduledChunk(SequenceState([0] * ctx), ctx - q, ctx)
+              for ctx, q in zip(case.context_lens, case.query_lens, strict=True)]
+    drafts = Drafts(tuple(range(len(parents))), parents=parents)
+    chunks[-1] = replace(chunks[-1], drafts=drafts)
+    return TreeRows.of(chunks)
 
 
 def float64_reference(case: PagedCase, tree: TreeRows | None = None) -> np.ndarray:
