@@ -16,7 +16,13 @@ Workloads (SmolLM2-135M-Instruct, float32, on the CPU):
 - ``W32``: ``bench_cpu_speed``'s serving workload (32 requests of 32-512 prompt and 32-128
   output tokens, all at t=0) through the default engine;
 - the progression: ``bench_week3_day5``'s workload (16 requests, 8 sharing a system prefix)
-  through each of its nine engine configurations, one after another.
+  through each of its nine engine configurations, one after another;
+- ``one request``: ``bench_vs_llama_cpp``'s request (a 512-token prompt, then 64 new
+  tokens; ``--quick``: 64 and 8) through the default engine on the GGUF's weights as
+  stored (4-bit layers, an 8-bit embedding), and the same with int8 activations.
+
+``--workloads`` runs some of them (a change aimed at one request's decode need not wait for
+the progression).
 
 Reported per workload and configuration: output tok/s of each tree (median), after / before,
 and whether every request's greedy tokens are the base's.
@@ -48,6 +54,8 @@ from common import REPO_ROOT, Table, bench_parser, save_results  # noqa: E402
 
 NAME = "bench_before_after"
 W32 = "W32 (default engine)"
+ONE = "one request, as stored"
+WORKLOADS = ("w32", "progression", "one-request")
 # Attention options as a base before their renaming (640e6d9) names them.
 FORMER_NAMES = {"page_walk": "reference", "tiled_walk": "flash_reference"}
 
@@ -71,8 +79,8 @@ def serve(engine: Any, prompts: list[list[int]], outputs: list[int]) -> dict[str
                 tokens=[tokens[i] for i in ids], workload=workload)
 
 
-def worker(quick: bool) -> None:
-    """Serve every workload on the ``tiny_llm`` that PYTHONPATH names, with the workloads of
+def worker(quick: bool, workloads: list[str]) -> None:
+    """Serve ``workloads`` on the ``tiny_llm`` that PYTHONPATH names, with the workloads of
     the benchmarks ``TINY_LLM_BENCHES`` names (``quick``: their quick ones, on their tiny
     model); print JSON."""
     # Names every tree since the engine package has (this function serves any base).
@@ -88,8 +96,14 @@ def worker(quick: bool) -> None:
     use_cpu()
     model, tokenizer, _ = load_model(quick)
     results = {"src": str(Path(tiny_llm.__file__).parent)}
-    prompts, outputs = w32_workload(quick, model.config.vocab_size)
-    results[W32] = serve(LLMEngine(model, tokenizer), prompts, outputs)
+    if "one-request" in workloads:
+        results.update(one_request(tokenizer, quick))
+    if "w32" in workloads:
+        prompts, outputs = w32_workload(quick, model.config.vocab_size)
+        results[W32] = serve(LLMEngine(model, tokenizer), prompts, outputs)
+    if "progression" not in workloads:
+        print(json.dumps(results))
+        return
     sizes = QUICK if quick else FULL
     prompts, outputs = progression_workload(sizes, model.config.vocab_size)
     longest = max(len(p) + n for p, n in zip(prompts, outputs, strict=True))
@@ -104,10 +118,30 @@ def worker(quick: bool) -> None:
     print(json.dumps(results))
 
 
-def run_tree(src: Path, quick: bool) -> dict[str, Any]:
+def one_request(tokenizer: Any, quick: bool) -> dict[str, Any]:
+    """bench_vs_llama_cpp's request on the weights as stored, with float and with int8
+    activations: its prefill step and then its decode steps."""
+    import random
+
+    from tiny_llm import LLMEngine, load
+
+    stored = load(None, dequantize=False)[0]
+    prompt, new = (64, 8) if quick else (512, 64)
+    rng = random.Random(0)
+    tokens = [rng.randrange(100, stored.config.vocab_size) for _ in range(prompt)]
+    results = {}
+    for label, int8 in ((ONE, False), (f"{ONE}, int8 activations", True)):
+        engine = LLMEngine(stored, tokenizer, max_num_batched_tokens=max(512, prompt),
+                           enable_prefix_caching=False, int8_activations=int8)
+        results[label] = serve(engine, [tokens], [new])
+    return results
+
+
+def run_tree(src: Path, quick: bool, workloads: list[str]) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(src), "TINY_LLM_GPU_REHEARSAL": "0",
            BENCHES_ENV: str(src.parent / "benches")}
-    command = [sys.executable, __file__, "--worker", *(["--quick"] if quick else [])]
+    command = [sys.executable, __file__, "--worker", *(["--quick"] if quick else []),
+               "--workloads", *workloads]
     out = subprocess.run(command, env=env, check=True,
                          stdout=subprocess.PIPE, text=True).stdout  # stderr: the console
     result = json.loads(out.strip().splitlines()[-1])
@@ -147,6 +181,8 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--base", default="HEAD",
                     help="the commit to compare against (default HEAD: the uncommitted change)")
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                    help="the workloads to serve (default: all)")
     args = ap.parse_args()
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO_ROOT,
                               check=True, capture_output=True, text=True).stdout.strip()
@@ -158,7 +194,7 @@ def main() -> None:
             for r in range(args.rounds):
                 order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
                 for side in order:
-                    rounds[side].append(run_tree(trees[side], args.quick))
+                    rounds[side].append(run_tree(trees[side], args.quick, args.workloads))
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")],
@@ -185,8 +221,10 @@ def main() -> None:
         rows=rows, formats=["", ".1f", ".1f", ".3f", ""],
         note=(("A tiny random model (--quick: the scripts' quick workloads)" if args.quick
                else "SmolLM2-135M-Instruct (float32)") + " on the CPU; W32: "
-              "bench_cpu_speed's serving workload, all at t=0, default engine; the other rows: "
-              "bench_week3_day5's progression workload per configuration. Each tree in its "
+              "bench_cpu_speed's serving workload, all at t=0, default engine; one request: "
+              "bench_vs_llama_cpp's on the GGUF's weights as stored (the whole request, "
+              "prefill and decode); the other rows: bench_week3_day5's progression workload "
+              "per configuration. Each tree in its "
               "own process, the two alternating every round; medians; same tokens: every "
               "request's greedy tokens equal in every round of both trees."))
     save_results(NAME + ("_quick" if args.quick else ""), dict(base=base_rev, results=data),
@@ -195,6 +233,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker("--quick" in sys.argv)
+        worker("--quick" in sys.argv, sys.argv[sys.argv.index("--workloads") + 1:])
     else:
         main()

@@ -127,6 +127,7 @@ import numpy as np
 from common import (
     GemmProbe,
     Table,
+    TimedModel,
     bench_device,
     bench_parser,
     gpu_words,
@@ -472,32 +473,6 @@ def workload(sz: dict[str, Any], vocab: int) -> tuple[list[list[int]], list[int]
         prompts.append(head + [rng.randrange(vocab) for _ in range(n - len(head))])
         outputs.append(rng.randint(*sz["output"]))
     return prompts, outputs
-
-
-class TimedModel:
-    """The engine's model, timing graph construction and evaluation separately. The
-    logits depend on every layer's K/V writes, so evaluating them here runs the whole
-    forward; the engine's own ``mx.eval`` afterwards finds nothing left to do."""
-
-    def __init__(self, model: Model, times: dict[str, float]):
-        self._model, self._times = model, times
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def hidden_states(self, *args: Any) -> mx.array:  # the runner's first call
-        self._start = time.perf_counter()
-        self._times["model_start"] = self._start
-        return self._model.hidden_states(*args)
-
-    def logits(self, *args: Any) -> mx.array:  # its second: the graph is then whole
-        logits = self._model.logits(*args)
-        t1 = time.perf_counter()
-        mx.eval(logits)
-        t2 = time.perf_counter()
-        self._times["graph"] += t1 - self._start
-        self._times["eval"] += t2 - t1
-        return logits
 
 
 class EngineRun:

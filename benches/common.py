@@ -361,6 +361,34 @@ class GemmProbe:
 # ---------------------------------------------------------------- requests
 
 
+class TimedModel:
+    """The engine's model, timing graph construction and evaluation separately. The
+    logits depend on every layer's K/V writes, so evaluating them here runs the whole
+    forward; the engine's own ``mx.eval`` afterwards finds nothing left to do."""
+
+    def __init__(self, model: Model, times: dict[str, float]):
+        self._model, self._times = model, times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def hidden_states(self, *args: Any) -> Any:  # the runner's first call
+        self._start = time.perf_counter()
+        self._times["model_start"] = self._start
+        return self._model.hidden_states(*args)
+
+    def logits(self, *args: Any) -> Any:  # its second: the graph is then whole
+        import mlx.core as mx
+
+        logits = self._model.logits(*args)
+        t1 = time.perf_counter()
+        mx.eval(logits)
+        t2 = time.perf_counter()
+        self._times["graph"] += t1 - self._start
+        self._times["eval"] += t2 - t1
+        return logits
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     """Greedy, exactly ``max_tokens`` new tokens (EOS ignored)."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

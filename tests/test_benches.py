@@ -29,7 +29,7 @@ QUICK_RUNS = ["bench_model", "bench_week3_day1", "bench_week3_day2", "bench_week
               "bench_week3_day4", "bench_week3_day5", "bench_week3_speculative",
               "bench_week3_moe", "bench_structured", "bench_serve", "bench_serve_soak",
               "bench_tensor_parallel", "bench_cpu_speed", "bench_cpu_decode",
-              "bench_before_after"]
+              "bench_roofline", "bench_before_after"]
 
 
 def run_quick(name: str, results: Path, env: dict[str, str] | None = None,
@@ -111,8 +111,41 @@ def test_the_benchmark_runs_quick(name: str, quick: Ahead):
 def test_without_llama_bench_its_columns_are_skipped_with_the_reason(quick: Ahead):
     folder, _, proc = quick.result("bench_vs_llama_cpp")
     assert "llama.cpp is not measured: no --llama-bench PATH was given" in proc.stdout
-    (table,) = check_result("bench_vs_llama_cpp", folder, proc)["tables"]
-    assert all(row[0].startswith("engine") and row[-2:] == [None, None] for row in table["rows"])
+    one, batched = check_result("bench_vs_llama_cpp", folder, proc)["tables"]
+    assert all(row[0].startswith("engine") and row[-2:] == [None, None] for row in one["rows"])
+    assert all(row[0].startswith("engine") and row[-1] is None for row in batched["rows"])
+    assert [row[1] for row in batched["rows"]] == [4, 4, 4]  # float32, as stored, int8
+
+
+def test_the_roofline_accounts_for_every_millisecond(quick: Ahead):
+    """Each step's phases add up to its wall time, every configuration and batch is there,
+    and llama.cpp, not built here, is left out with the reason."""
+    folder, _, proc = quick.result("bench_roofline")
+    result = check_result("bench_roofline", folder, proc)
+    assert "llama.cpp is not measured: no --llama-bench PATH was given" in proc.stdout
+    data = result["data"]
+    assert len(data["configs"]) == 5 and data["batches"] == [1, 4]
+    phases = ("scheduler", "sampler", "python_other", "graph", "projections", "attention",
+              "kv_write", "vector_ops", "thread_wait", "mlx")
+    for key, r in data["results"].items():
+        assert sum(r[p] for p in phases) == pytest.approx(r["wall"], rel=1e-6), key
+        assert r["projections"] > 0 and r["attention"] > 0, key  # the kernel clocks ran
+    assert set(data["results"]) == {f"{c}|{b}" for c in data["configs"]
+                                    for b in ("1", "4", "prefill")}
+    assert (folder / "bench_roofline_quick.png").is_file()
+
+
+@pytest.mark.device_independent  # it sets the rehearsal itself
+def test_the_roofline_runs_the_gpus_account_in_the_rehearsal(tmp_path):
+    """On a GPU the account has one configuration and no kernel clocks: the rehearsal runs
+    that path (a smoke run: its times are the CPU's)."""
+    proc = run_quick("bench_roofline", tmp_path, {"TINY_LLM_GPU_REHEARSAL": "1"})
+    result = check_result("bench_roofline", tmp_path, proc)
+    data = result["data"]
+    assert data["configs"] == ["the default engine"] and data["device"] == "gpu rehearsal"
+    for r in data["results"].values():
+        assert r["projections"] == 0 and r["mlx"] == pytest.approx(r["eval"])
+    assert "GPU rehearsal" in result["tables"][0]["note"]
 
 
 def test_quick_outputs_are_git_ignored():

@@ -13,7 +13,9 @@
 - the op writes the pools in place only when nothing else holds them: a pool array held
   elsewhere, or a view of one, sends the step op by op and keeps the holder's array as it
   was; replaced weights are read again;
-- ``--no-fused-layers`` turns them off; bad input to the op is refused with a clear error.
+- ``--no-fused-layers`` turns them off; bad input to the op is refused with a clear error;
+- the kernels' phase clocks (``profile``) see every phase of a fused decode step once: together
+  no more than the step, the pool's helper threads not counted, nothing counted while off.
 """
 
 from __future__ import annotations
@@ -313,3 +315,56 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="int32"):
         ext.decoder_layers(run_, x, pools[:2], pools[2:], pos, meta[0].astype(mx.float32),
                            *meta[1:], tiled=True)
+
+
+def test_the_kernel_clocks_count_each_phase_of_a_step_once(smollm_tokenizer):
+    import time
+
+    from tiny_llm.engine import LLMEngine
+    from tiny_llm.kernels import cpu_fused
+    from tiny_llm.kernels.extension import reference_extension
+    from tiny_llm.testing.runs import greedy
+
+    ext = reference_extension()
+    engine = LLMEngine(model_of("llama"), smollm_tokenizer, num_pages=64)
+    for prompt in ([5, 6, 7], [8, 9, 10, 11]):
+        engine.add_request({"prompt_token_ids": prompt}, greedy(6))
+    engine.step()  # the prompts: op by op
+    before = cpu_fused.fused_layers_run
+    ext.profile(True)
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    totals = ext.profile_totals()
+    ext.profile(False)
+    assert cpu_fused.fused_layers_run > before  # a fused step
+    phases = ["projections", "attention", "kv_write", "vector_ops", "thread_wait"]
+    assert all(totals[p] > 0 for p in phases[:4]), totals
+    assert sum(totals[p] for p in phases) < wall  # exclusive: nothing counted twice
+    assert totals["pool_jobs"] + totals["solo_jobs"] > 0
+    engine.step()  # off: nothing counts
+    assert ext.profile_totals() == totals
+
+
+def test_the_pools_helper_threads_do_not_count(monkeypatch):
+    """A product spread over the pool: the clocks count the calling thread's wall time, not
+    the cores' time (with both threads counted, the projections would take about twice the
+    wall time)."""
+    import os
+    import time
+
+    from tiny_llm.kernels.extension import reference_extension
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: no helper threads")
+    ext = reference_extension()
+    x, w = mx.random.normal((256, 512)), mx.random.normal((1024, 512))
+    mx.eval(x, w)
+    ext.profile(True)
+    start = time.perf_counter()
+    mx.eval(ext.linear(x, w))
+    wall = time.perf_counter() - start
+    totals = ext.profile_totals()
+    ext.profile(False)
+    assert totals["pool_jobs"] == 1 and totals["solo_jobs"] == 0
+    assert 0 < totals["projections"] + totals["thread_wait"] <= wall

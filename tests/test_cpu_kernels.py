@@ -468,7 +468,8 @@ def test_linear_gives_the_same_bits_on_every_vector_unit(tmp_path):
         exe = tmp_path / name
         subprocess.run(["g++", "-O2", "-std=c++17", *flags, f"-I{src}", "-o", str(exe),
                         str(tmp_path / "harness.cpp"), str(src / "cpu_linear.cpp"),
-                        str(src / "worker_pool.cpp"), "-lpthread"], check=True)
+                        str(src / "worker_pool.cpp"), str(src / "profile.cpp"), "-lpthread"],
+                       check=True)
         builds[name] = exe
     for m, n, k, off in [(1, 7, 64, 0), (5, 13, 576, 1), (9, 4, 99, 3), (12, 10, 576, 2),
                          (70, 33, 40, 5)]:
@@ -523,7 +524,7 @@ def test_attention_gives_the_same_bits_on_every_vector_unit(tmp_path):
         subprocess.run(["g++", "-O2", "-std=c++17", "-Wno-psabi", *flags, f"-I{src}",
                         f"-I{mlx_include}", "-o", str(exe), str(tmp_path / "harness.cpp"),
                         str(src / "cpu_attention.cpp"), str(src / "worker_pool.cpp"),
-                        "-lpthread"], check=True)
+                        str(src / "profile.cpp"), "-lpthread"], check=True)
         for head_dim in (64, 68, 76):  # the tails past 32 columns, and past vectors of 8
             for tile in (1, 16):
                 outs[name, head_dim, tile] = subprocess.run(
@@ -874,7 +875,7 @@ def test_quantized_lanes_give_the_same_bits_on_every_vector_unit(tmp_path):
     builds = [tmp_path / name for name, _ in targets]
     compiles += [["g++", "-O2", "-std=c++17", *flags, f"-I{src}", "-o", str(exe),
                   str(tmp_path / "harness.cpp"), str(src / "cpu_qlinear.cpp"),
-                  str(src / "worker_pool.cpp"), "-lpthread"]
+                  str(src / "worker_pool.cpp"), str(src / "profile.cpp"), "-lpthread"]
                  for (_, flags), exe in zip(targets, builds, strict=True)]
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # the compiler is one core each
         for done in pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),

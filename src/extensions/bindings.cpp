@@ -15,6 +15,7 @@
 #include "metal/paged_attention_geometry.h"
 #include "metal_launch.h"
 #include "paged_ops.h"
+#include "profile.h"
 #include "worker_pool.h"
 #ifndef TINY_LLM_COURSE_KERNEL
 #include "cpu_linear.h"
@@ -90,6 +91,22 @@ void bind_paged_ops(nb::module_& m) {
         "How many times paged_kv_write copied a pool that was not donatable.");
   m.def("set_num_threads", &tiny_llm::set_num_threads, "n"_a,
         "Threads the CPU kernels may use (0: all hardware threads).");
+  m.def("profile", &tiny_llm::profile_enable, "on"_a,
+        "Start (clearing the totals) or stop the CPU kernels' phase clocks (profile.h).");
+  m.def(
+      "profile_totals",
+      [] {
+        const tiny_llm::ProfileTotals totals = tiny_llm::profile_totals();
+        nb::dict d;
+        for (size_t i = 0; i < totals.ns.size(); ++i)
+          d[tiny_llm::kPhaseNames[i]] = static_cast<double>(totals.ns[i]) * 1e-9;
+        d["pool_jobs"] = totals.pool_jobs;
+        d["solo_jobs"] = totals.solo_jobs;
+        return d;
+      },
+      "Seconds of the calling thread in each phase since profile(True), exclusive of "
+      "nested phases and of waiting for the pool (thread_wait); pool_jobs and solo_jobs: "
+      "parallel_for calls run on several threads and on one.");
   m.def("check_metal_geometry", &tiny_llm::check_metal_geometry, "n_heads"_a, "n_kv_heads"_a,
         "head_dim"_a, "page_size"_a, "dtype"_a,
         "Raise ValueError unless the Metal kernels can serve this attention geometry.");

@@ -12,6 +12,7 @@
 
 #include "cpu_simd.h"
 #include "mlx/types/half_types.h"
+#include "profile.h"
 #include "worker_pool.h"
 
 namespace tiny_llm {
@@ -523,6 +524,7 @@ template <typename T>
 void paged_attention_cpu(const T* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                          const int32_t* context_lens, const int32_t* qsl, T* out,
                          const CpuAttentionShape& g, const CpuTreeRows* tree) {
+  ProfileScope profile(Phase::kAttention);
   std::vector<Tile> tiles = g.query_tile > 1 ? tile_items(qsl, g.num_seqs, g.query_tile)
                                              : row_items(qsl, g.num_seqs);
   check_items(tiles, qsl, g.num_seqs, std::max(1, g.query_tile));

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cpu_linear.h"
+#include "profile.h"
 
 namespace tiny_llm {
 
@@ -45,6 +46,7 @@ void decoder_qkv_cpu(const float* x, const float* norm_weight, const Projections
                      const float* const biases[3], const float* q_norm, const float* k_norm,
                      const int32_t* positions, const float* inv_freq, float* q, float* k,
                      float* v, const DecoderQkvShape& g) {
+  ProfileScope profile(Phase::kVectorOps);  // what its kernels' own scopes leave: bias adds
   const int64_t T = g.rows, D = g.head_dim;
   const int64_t nq = g.n_heads * D, nkv = g.n_kv_heads * D;
   float* normed = scratch(T * (g.dim + nq + nkv));
@@ -72,6 +74,7 @@ void decoder_rest_cpu(const float* h, const float* q, const float* k_pages, cons
                       const int32_t* query_start_loc, const Projections& o_proj,
                       const float* post_norm, const Projections& gate_up,
                       const Projections& down, float* out, const DecoderRestShape& g) {
+  ProfileScope profile(Phase::kVectorOps);  // what its kernels' own scopes leave: residuals
   const int64_t T = g.rows, dim = g.dim, inter = g.intermediate;
   const int64_t nq = static_cast<int64_t>(g.attention.n_heads) * g.attention.head_dim;
   float* attn = scratch(T * (nq + 2 * dim + 2 * inter));
@@ -104,9 +107,12 @@ void decoder_layers_cpu(const float* x, const std::vector<DecoderLayer>& layers,
     // reads each element of h before it writes that element of out.
     decoder_qkv_cpu(out, layer.input_norm, layer.qkv, layer.qkv_biases, layer.q_norm,
                     layer.k_norm, step.positions, layer.inv_freq, q, k, v, qkv);
-    for (int64_t t = 0; t < T; ++t) {  // paged_kv_write's copies: row t to its slot
-      std::memcpy(layer.k_pages + step.slots[t] * nkv, k + t * nkv, sizeof(float) * nkv);
-      std::memcpy(layer.v_pages + step.slots[t] * nkv, v + t * nkv, sizeof(float) * nkv);
+    {
+      ProfileScope profile(Phase::kKvWrite);
+      for (int64_t t = 0; t < T; ++t) {  // paged_kv_write's copies: row t to its slot
+        std::memcpy(layer.k_pages + step.slots[t] * nkv, k + t * nkv, sizeof(float) * nkv);
+        std::memcpy(layer.v_pages + step.slots[t] * nkv, v + t * nkv, sizeof(float) * nkv);
+      }
     }
     DecoderRestShape shape = rest;
     shape.intermediate = layer.gate_up.rows[0];

@@ -5,12 +5,14 @@
 #include <cstring>
 #include <vector>
 
+#include "profile.h"
 #include "worker_pool.h"
 
 namespace tiny_llm {
 
 void rope_cpu(const float* x, const int32_t* positions, const float* inv_freq, float* out,
               const RopeShape& g) {
+  ProfileScope profile(Phase::kVectorOps);
   const int half = g.dims / 2;
   const int64_t row_size = g.heads * g.head_dim;
   // The pair (a, b) of pair i: interleaved, or one element from each half.
@@ -41,6 +43,7 @@ void rope_cpu(const float* x, const int32_t* positions, const float* inv_freq, f
 }
 
 void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, int64_t cols) {
+  ProfileScope profile(Phase::kVectorOps);
   parallel_for(static_cast<int>(rows), 20.0 * cols, [&](int r) {
     const float* g = gate + r * cols;
     const float* u = up + r * cols;
@@ -51,6 +54,7 @@ void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, in
 
 void rms_norm_cpu(const float* x, const float* weight, float* out, int64_t rows, int64_t cols,
                   float eps) {
+  ProfileScope profile(Phase::kVectorOps);
   parallel_for(static_cast<int>(rows), 4.0 * cols, [&](int r) {
     const float* xs = x + r * cols;
     float* ys = out + r * cols;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "profile.h"
 #include "worker_pool.h"
 
 namespace tiny_llm {
@@ -201,6 +202,7 @@ class StagedRows {
 
 // ANCHOR: cpu_linear
 void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M, int64_t K) {
+  ProfileScope profile(Phase::kProjections);
   // A work item: up to 64 rows of x (in L2) against about 64 KiB of weight rows.
   constexpr int64_t block_rows = 64;
   const int64_t block_weights = std::max<int64_t>(
@@ -235,6 +237,7 @@ void linear_cpu(const float* x, const std::vector<LinearPart>& parts, int64_t M,
 // ANCHOR: cpu_linear_blas_split
 void linear_blas_split(const float* x, const std::vector<LinearPart>& parts, int64_t M,
                        int64_t K) {
+  ProfileScope profile(Phase::kProjections);
 #if defined(__linux__)
   // About eight blocks of at least 64 weight rows per part: enough to share out unevenly,
   // few enough that repacking x for each call stays small next to the product.

@@ -16,6 +16,7 @@
 #include "cpu_qlinear_formats.h"
 #include "cpu_qlinear_int8.h"
 #include "cpu_qlinear_lanes.h"
+#include "profile.h"
 #include "worker_pool.h"
 
 namespace tiny_llm {
@@ -43,6 +44,7 @@ bool int8_kernel_serves(QuantFormat format) {
 // ANCHOR: qlinear
 void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& parts, int64_t M,
                           int64_t K, QuantFormat format, bool int8) {
+  ProfileScope profile(Phase::kProjections);
   if (!(int8 ? int8_kernel_serves(format) : quantized_kernel_serves(format)) ||
       K % format.group != 0)
     throw std::invalid_argument("quantized_linear: unsupported format");
@@ -175,6 +177,7 @@ void dequantize_rows(const QuantizedPart& part, const S* scales, const S* biases
 // ANCHOR: qlinear_blas_split
 void quantized_linear_blas_split(const float* x, const std::vector<QuantizedPart>& parts,
                                  int64_t M, int64_t K, QuantFormat format) {
+  ProfileScope profile(Phase::kProjections);
 #if defined(__linux__)
   if (!quantized_kernel_serves(format) || K % format.group != 0)
     throw std::invalid_argument("quantized_linear: unsupported format");

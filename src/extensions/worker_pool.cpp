@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "profile.h"
+
 namespace tiny_llm {
 
 namespace {
@@ -75,9 +77,12 @@ class WorkerPool {
     }
     wake_.notify_all();
     drain();
-    if (!spin_until([&] { return pending_.load() == 0; })) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] { return pending_.load() == 0; });
+    {
+      ProfileScope waiting(Phase::kThreadWait);
+      if (!spin_until([&] { return pending_.load() == 0; })) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        done_.wait(lock, [&] { return pending_.load() == 0; });
+      }
     }
     // Every thread is done with fn before an error leaves this frame (fn lives in it).
     std::lock_guard<std::mutex> lock(mutex_);
@@ -98,6 +103,7 @@ class WorkerPool {
   }
 
   void serve(int id) {
+    profile_mark_helper();
     uint64_t seen = 0;
     for (;;) {
       if (!spin_until([&] { return job_.load() != seen; })) {
@@ -139,6 +145,7 @@ void parallel_for(int n, double flops_per_item, const std::function<void(int)>& 
   const double total = n * flops_per_item;
   const int threads =
       std::min({pool_threads(), n, 256, std::max(1, static_cast<int>(total / 2e5))});
+  profile_count_job(threads > 1);
   if (threads <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
