@@ -37,29 +37,6 @@ inline float dot(const float* a, const float* b, int D) {
   return sum;
 }
 
-// exp of eight lanes at once (Cephes' single-precision polynomial, within about 2 ulp of
-// std::exp), where a loop of std::exp calls runs one lane at a time: x = n ln 2 + r with
-// |r| <= ln 2 / 2, exp(r) by a polynomial, times 2^n built in the exponent bits. Below -87
-// the lanes give about 1e-38 where std::exp underflows to 0, nothing a softmax can see.
-[[maybe_unused]] inline Lanes8 exp8(Lanes8 x) {
-  const Lanes8 lo = Lanes8{} - 87.0f, hi = Lanes8{} + 88.0f;
-  x = x < lo ? lo : (x > hi ? hi : x);
-  const Lanes8 shift = Lanes8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const Lanes8 n = (x * 1.44269504088896341f + shift) - shift;
-  const Lanes8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  Lanes8 p = Lanes8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const Ints8 bits = (__builtin_convertvector(n, Ints8) + 127) << 23;
-  Lanes8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Pairs folded together by fold_page: as many as the vector registers hold the state of
 // (four keys' scores or 32 columns of acc per pair, and the shared key or value vectors).
 #if defined(__AVX512VL__)

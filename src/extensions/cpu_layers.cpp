@@ -1,10 +1,12 @@
 // The model's elementwise layers on the CPU (see cpu_layers.h).
 #include "cpu_layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "cpu_simd.h"
 #include "profile.h"
 #include "worker_pool.h"
 
@@ -42,13 +44,22 @@ void rope_cpu(const float* x, const int32_t* positions, const float* inv_freq, f
   });
 }
 
+// Eight columns at a time with exp8 (std::exp runs one element at a time), the last
+// cols % 8 as a partial vector, so that every element takes the same arithmetic wherever it
+// sits.
 void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, int64_t cols) {
   ProfileScope profile(Phase::kVectorOps);
   parallel_for(static_cast<int>(rows), 20.0 * cols, [&](int r) {
     const float* g = gate + r * cols;
     const float* u = up + r * cols;
     float* y = out + r * cols;
-    for (int64_t i = 0; i < cols; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < cols; i += 8) {
+      const int n = static_cast<int>(std::min<int64_t>(8, cols - i));
+      const simd::Lanes8 gv = n == 8 ? simd::load8(g + i) : simd::load8(g + i, 0, n);
+      const simd::Lanes8 uv = n == 8 ? simd::load8(u + i) : simd::load8(u + i, 0, n);
+      const simd::Lanes8 yv = gv / (1.0f + simd::exp8(-gv)) * uv;
+      std::memcpy(y + i, &yv, sizeof(float) * n);
+    }
   });
 }
 

@@ -134,6 +134,32 @@ SIMD_INLINE Lanes8 rotate(Lanes8 v, int rotation) {
 #endif
 }
 
+// ANCHOR: simd_exp8
+// exp of eight lanes at once (Cephes' single-precision polynomial, within about 2 ulp of
+// std::exp), where a loop of std::exp calls runs one lane at a time: x = n ln 2 + r with
+// |r| <= ln 2 / 2, exp(r) by a polynomial, times 2^n built in the exponent bits. Below -87
+// the lanes give about 1e-38 where std::exp underflows to 0, and above 88 about 1.7e38
+// where it overflows: nothing a softmax or SwiGLU's x / (1 + exp(-x)) can see.
+SIMD_INLINE Lanes8 exp8(Lanes8 x) {
+  const Lanes8 lo = Lanes8{} - 87.0f, hi = Lanes8{} + 88.0f;
+  x = x < lo ? lo : (x > hi ? hi : x);
+  const Lanes8 shift = Lanes8{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Lanes8 n = (x * 1.44269504088896341f + shift) - shift;
+  const Lanes8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Lanes8 p = Lanes8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const Ints8 bits = (__builtin_convertvector(n, Ints8) + 127) << 23;
+  Lanes8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+// ANCHOR_END: simd_exp8
+
 // ANCHOR: simd_sum
 // The eight lanes added in one fixed tree, ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)):
 // lane j + 4 onto lane j, then j + 2, then j + 1.
