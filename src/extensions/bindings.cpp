@@ -2,6 +2,7 @@
 // the model's CPU kernels (matmuls, layers, the fused decoder) except in the course's build
 // of a learner's copy, which the engine uses for the paged ops only (tiny_llm/kernels/extension.py).
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include <nanobind/nanobind.h>
@@ -181,11 +182,12 @@ void bind_model_kernels(nb::module_& m) {
       [](const std::vector<tiny_llm::DecoderLayerArrays>& layers, int n_heads, int n_kv_heads,
          int head_dim, float eps, float post_eps, int rope_dims, bool rope_traditional,
          float rope_scale, float qk_eps, float scale) {
-        auto* run = new tiny_llm::DecoderRun(tiny_llm::decoder_run(
+        using Run = std::shared_ptr<const tiny_llm::DecoderRun>;
+        auto* run = new Run(tiny_llm::decoder_run(
             layers, {n_heads, n_kv_heads, head_dim, eps, post_eps, rope_dims, rope_traditional,
                      rope_scale, qk_eps, scale}));
         return nb::capsule(run, kDecoderRun, [](void* p) noexcept {
-          delete static_cast<tiny_llm::DecoderRun*>(p);
+          delete static_cast<Run*>(p);
         });
       },
       "layers"_a, nb::kw_only(), "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "eps"_a,
@@ -204,10 +206,10 @@ void bind_model_kernels(nb::module_& m) {
          bool int8, mx::StreamOrDevice s) {
         if (run.name() == nullptr || std::strcmp(run.name(), kDecoderRun) != 0)
           throw std::invalid_argument("decoder_layers needs a run made by decoder_run");
-        return tiny_llm::decoder_layers(*static_cast<const tiny_llm::DecoderRun*>(run.data()),
-                                        x, k_pools, v_pools, positions, slot_mapping,
-                                        block_table, context_lens, query_start_loc, tiled, int8,
-                                        s);
+        return tiny_llm::decoder_layers(
+            *static_cast<const std::shared_ptr<const tiny_llm::DecoderRun>*>(run.data()), x,
+            k_pools, v_pools, positions, slot_mapping, block_table, context_lens,
+            query_start_loc, tiled, int8, s);
       },
       "run"_a, "x"_a, "k_pools"_a, "v_pools"_a, "positions"_a, "slot_mapping"_a,
       "block_table"_a, "context_lens"_a, "query_start_loc"_a, nb::kw_only(), "tiled"_a,

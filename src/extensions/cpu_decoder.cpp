@@ -102,7 +102,9 @@ void decoder_layers_cpu(const float* x, const std::vector<DecoderLayer>& layers,
   std::vector<float> rows(T * (nq + 2 * nkv));
   float *q = rows.data(), *k = q + T * nq, *v = k + T * nkv;
   std::memcpy(out, x, sizeof(float) * T * qkv.dim);
-  for (const DecoderLayer& layer : layers) {
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const DecoderLayer& layer = layers[l];
+    float *k_pages = step.k_pages[l], *v_pages = step.v_pages[l];
     // The layer reads its input from `out` and writes its output there: decoder_rest_cpu
     // reads each element of h before it writes that element of out.
     decoder_qkv_cpu(out, layer.input_norm, layer.qkv, layer.qkv_biases, layer.q_norm,
@@ -110,13 +112,13 @@ void decoder_layers_cpu(const float* x, const std::vector<DecoderLayer>& layers,
     {
       ProfileScope profile(Phase::kKvWrite);
       for (int64_t t = 0; t < T; ++t) {  // paged_kv_write's copies: row t to its slot
-        std::memcpy(layer.k_pages + step.slots[t] * nkv, k + t * nkv, sizeof(float) * nkv);
-        std::memcpy(layer.v_pages + step.slots[t] * nkv, v + t * nkv, sizeof(float) * nkv);
+        std::memcpy(k_pages + step.slots[t] * nkv, k + t * nkv, sizeof(float) * nkv);
+        std::memcpy(v_pages + step.slots[t] * nkv, v + t * nkv, sizeof(float) * nkv);
       }
     }
     DecoderRestShape shape = rest;
     shape.intermediate = layer.gate_up.rows[0];
-    decoder_rest_cpu(out, q, layer.k_pages, layer.v_pages, step.tables, step.context_lens,
+    decoder_rest_cpu(out, q, k_pages, v_pages, step.tables, step.context_lens,
                      step.query_start_loc, layer.o_proj, layer.post_norm, layer.gate_up,
                      layer.down, out, shape);
   }

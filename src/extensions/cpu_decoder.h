@@ -79,15 +79,16 @@ struct DecoderLayer {
   const float* qkv_biases[3];   // all null: no attention bias
   const float *q_norm, *k_norm;  // null: no per-head norms
   const float* inv_freq;
-  float *k_pages, *v_pages;
   const float* post_norm;
   Projections o_proj, gate_up, down;
 };
 
 // The step's rows per layer and where they go: positions, each row's pool slot, and the
-// attention's block tables, context lengths and query start locations.
+// attention's block tables, context lengths and query start locations; and each layer's
+// pools [P, page_size, n_kv_heads, head_dim] (layer l's: k_pages[l], v_pages[l]).
 struct DecoderStep {
   const int32_t *positions, *slots, *tables, *context_lens, *query_start_loc;
+  float *const *k_pages, *const *v_pages;
 };
 
 // out [T, dim]: x [T, dim] through the layers in order; each layer's k and v rows are

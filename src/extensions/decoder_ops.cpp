@@ -1,6 +1,8 @@
 // The fused decoder layers' entry points and MLX primitive (see decoder_ops.h).
 #include "decoder_ops.h"
 
+#include <array>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -9,29 +11,53 @@
 #include "cpu_decoder.h"
 #include "linear_ops.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 #include "op_support.h"
 
 namespace tiny_llm {
 
 namespace {
 
-// The `parts` projections of a decoder op from inputs[first ...] (one array a part for
-// float32 weights, three for packed ones); `first` moves past them.
-Projections read_projections(const std::vector<mx::array>& inputs, size_t& first, int parts,
-                             int group, int bits, bool int8, mx::cpu::CommandEncoder& enc) {
+// The `parts` projections of a layer from weights[first ...] (one array a part for float32
+// weights, three for packed ones; evaluated and row-contiguous); `first` moves past them.
+Projections read_projections(const std::vector<mx::array>& weights, size_t& first, int parts,
+                             int group, int bits, bool int8) {
   Projections p{bits, group, int8 && bits != 0, {}, {}, {}, {}, {}};
   for (int i = 0; i < parts; ++i) {
-    const auto w = row_major(inputs[first++], enc);
+    const auto& w = weights[first++];
     p.weights.push_back(w.data<void>());
     p.rows.push_back(w.shape(0));
     if (bits) {
-      const auto scales = row_major(inputs[first++], enc);
+      const auto& scales = weights[first++];
       p.scales.push_back(scales.data<void>());
-      p.biases.push_back(row_major(inputs[first++], enc).data<void>());
+      p.biases.push_back(weights[first++].data<void>());
       p.scale_types.push_back(scale_type(scales.dtype()));
     }
   }
   return p;
+}
+
+// The run's layers as decoder_layers_cpu reads them, pointing into its weights.
+std::vector<DecoderLayer> read_layers(const DecoderRun& run, bool int8) {
+  std::vector<DecoderLayer> layers;
+  size_t next = 0;
+  auto floats = [&] { return run.weights[next++].data<float>(); };
+  for (const DecoderLayerFormat& f : run.formats) {
+    DecoderLayer layer{};
+    layer.input_norm = floats();
+    layer.inv_freq = floats();
+    layer.post_norm = floats();
+    const auto& [qkv, out_proj, gate_up, down] = f.projections;
+    layer.qkv = read_projections(run.weights, next, 3, qkv.first, qkv.second, int8);
+    for (auto& b : layer.qkv_biases) b = f.biases ? floats() : nullptr;
+    layer.q_norm = f.qk_norms ? floats() : nullptr;
+    layer.k_norm = f.qk_norms ? floats() : nullptr;
+    layer.o_proj = read_projections(run.weights, next, 1, out_proj.first, out_proj.second, int8);
+    layer.gate_up = read_projections(run.weights, next, 2, gate_up.first, gate_up.second, int8);
+    layer.down = read_projections(run.weights, next, 1, down.first, down.second, int8);
+    layers.push_back(std::move(layer));
+  }
+  return layers;
 }
 
 // Checks one projection argument of the decoder ops and appends its arrays to `inputs`:
@@ -81,31 +107,14 @@ void DecoderLayers::eval_cpu(const std::vector<mx::array>& inputs,
   auto data = [&](size_t i) { return row_major(inputs[i], enc).data<void>(); };
   const auto* x = static_cast<const float*>(data(0));
   auto ints = [&](size_t i) { return static_cast<const int32_t*>(data(i)); };
-  const DecoderStep step{ints(1), ints(2), ints(3), ints(4), ints(5)};
-  const auto& o = options_;
-  const size_t pools = 6, L = formats_.size();
-  std::vector<DecoderLayer> layers;
-  size_t next = pools + 2 * L;
+  const auto& o = run_->options;
+  const size_t pools = 6, L = run_->formats.size();
+  // Written in place: decoder_layers() took them row-contiguous, and its caller made sure
+  // that nothing else holds them.
+  std::vector<float*> k_pages(L), v_pages(L);
   for (size_t l = 0; l < L; ++l) {
-    const DecoderLayerFormat& f = formats_[l];
-    DecoderLayer layer{};
-    // Written in place: decoder_layers() took them row-contiguous, and its caller made
-    // sure that nothing else holds them.
-    layer.k_pages = const_cast<float*>(inputs[pools + 2 * l].data<float>());
-    layer.v_pages = const_cast<float*>(inputs[pools + 2 * l + 1].data<float>());
-    auto floats = [&] { return static_cast<const float*>(data(next++)); };
-    layer.input_norm = floats();
-    layer.inv_freq = floats();
-    layer.post_norm = floats();
-    const auto& [qkv, out_proj, gate_up, down] = f.projections;
-    layer.qkv = read_projections(inputs, next, 3, qkv.first, qkv.second, int8_, enc);
-    for (auto& b : layer.qkv_biases) b = f.biases ? floats() : nullptr;
-    layer.q_norm = f.qk_norms ? floats() : nullptr;
-    layer.k_norm = f.qk_norms ? floats() : nullptr;
-    layer.o_proj = read_projections(inputs, next, 1, out_proj.first, out_proj.second, int8_, enc);
-    layer.gate_up = read_projections(inputs, next, 2, gate_up.first, gate_up.second, int8_, enc);
-    layer.down = read_projections(inputs, next, 1, down.first, down.second, int8_, enc);
-    layers.push_back(std::move(layer));
+    k_pages[l] = const_cast<float*>(inputs[pools + 2 * l].data<float>());
+    v_pages[l] = const_cast<float*>(inputs[pools + 2 * l + 1].data<float>());
   }
   const auto &x_in = inputs[0], &k_pool = inputs[pools];
   const DecoderQkvShape qkv_shape{x_in.shape(0), x_in.shape(1), o.n_heads, o.n_kv_heads,
@@ -117,9 +126,14 @@ void DecoderLayers::eval_cpu(const std::vector<mx::array>& inputs,
                                     static_cast<int>(k_pool.shape(1)), o.scale,
                                     tiled_ ? kCpuQueryTile : 1};
   const DecoderRestShape rest_shape{x_in.shape(0), x_in.shape(1), 0, o.post_eps, attention};
-  enc.dispatch([x, layers = std::move(layers), step, out = outputs[0].data<float>(), qkv_shape,
-                rest_shape]() {
-    decoder_layers_cpu(x, layers, step, out, qkv_shape, rest_shape);
+  // The run rides along: its weights live as long as the task that reads them.
+  enc.dispatch([x, run = run_, int8 = int8_, k_pages = std::move(k_pages),
+                v_pages = std::move(v_pages), meta = std::array{ints(1), ints(2), ints(3),
+                                                                ints(4), ints(5)},
+                out = outputs[0].data<float>(), qkv_shape, rest_shape]() {
+    const DecoderStep step{meta[0], meta[1], meta[2], meta[3], meta[4], k_pages.data(),
+                           v_pages.data()};
+    decoder_layers_cpu(x, run->layers[int8], step, out, qkv_shape, rest_shape);
   });
 }
 
@@ -127,15 +141,15 @@ void DecoderLayers::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
   throw std::runtime_error("DecoderLayers: GPU streams run the model op by op");
 }
 
-DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
-                       const DecoderLayersOptions& o) {
+std::shared_ptr<const DecoderRun> decoder_run(const std::vector<DecoderLayerArrays>& layers,
+                                              const DecoderLayersOptions& o) {
   check(!layers.empty(), "decoder_run needs one or more layers");
   const int D = o.head_dim;
   check(o.n_heads > 0 && o.n_kv_heads > 0 && o.n_heads % o.n_kv_heads == 0 && D > 0,
         "decoder_run: n_heads must be a multiple of n_kv_heads, head_dim positive");
   check(o.rope_dims > 0 && o.rope_dims % 2 == 0 && o.rope_dims <= D,
         "decoder_run needs even rope dims <= head_dim");
-  DecoderRun run{{}, {}, o, static_cast<int64_t>(std::get<0>(layers[0]).size())};
+  DecoderRun run{{}, {}, o, static_cast<int64_t>(std::get<0>(layers[0]).size()), {}};
   const int64_t dim = run.dim;
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& [in_norm, qkv, qkv_biases, qk_norms, inv_freq, post_norm, o_proj, gate_up,
@@ -172,15 +186,22 @@ DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
     run.formats.push_back({{format(qkv), format(o_proj), format(gate_up), format(down)},
                            !qkv_biases.empty(), !qk_norms.empty()});
   }
-  return run;
+  // Read by the op outside its graph: evaluated now, each row-contiguous.
+  mx::eval(run.weights);
+  for (auto& w : run.weights)
+    if (!w.flags().row_contiguous) w = mx::contiguous(w);
+  mx::eval(run.weights);
+  for (const bool int8 : {false, true}) run.layers[int8] = read_layers(run, int8);
+  return std::make_shared<const DecoderRun>(std::move(run));
 }
 
-mx::array decoder_layers(const DecoderRun& run, const mx::array& x,
+mx::array decoder_layers(const std::shared_ptr<const DecoderRun>& run_ptr, const mx::array& x,
                          const std::vector<mx::array>& k_pools,
                          const std::vector<mx::array>& v_pools, const mx::array& positions,
                          const mx::array& slot_mapping, const mx::array& block_table,
                          const mx::array& context_lens, const mx::array& query_start_loc,
                          bool tiled, bool int8, mx::StreamOrDevice s) {
+  const DecoderRun& run = *run_ptr;
   const auto& o = run.options;
   check(x.ndim() == 2 && x.dtype() == mx::float32 && x.shape(1) == run.dim,
         "decoder_layers needs float32 x [T, dim] of the run's dim");
@@ -216,9 +237,8 @@ mx::array decoder_layers(const DecoderRun& run, const mx::array& x,
               "decoder_layers(int8=True): int8 does not serve this format");
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "decoder_layers runs on CPU streams only");
-  inputs.insert(inputs.end(), run.weights.begin(), run.weights.end());
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<DecoderLayers>(stream, o, run.formats, tiled, int8), inputs);
+                   std::make_shared<DecoderLayers>(stream, run_ptr, tiled, int8), inputs);
 }
 
 }  // namespace tiny_llm

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "cpu_decoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -50,46 +52,48 @@ struct DecoderLayerFormat {
   bool biases, qk_norms;
 };
 
-// A run of consecutive decoder layers, checked once: their weights in the order the op
-// reads them (per layer: input norm, inv_freq, post norm, the arrays of q/k/v, the biases
-// and head norms where it has them, the arrays of o_proj, gate/up and down).
+// A run of consecutive decoder layers, checked once: their weights (evaluated and
+// row-contiguous, per layer: input norm, inv_freq, post norm, the arrays of q/k/v, the
+// biases and head norms where it has them, the arrays of o_proj, gate/up and down), and
+// the layers as decoder_layers_cpu reads them, pointing into those weights: with float
+// activations (layers[0]) and with int8 ones (layers[1]). The op holds the run, not the
+// weights as its graph's inputs: a decode step's graph then has the step's arrays and the
+// pools only, where the weights made it hundreds of inputs for MLX to visit every step.
 struct DecoderRun {
   std::vector<mx::array> weights;
   std::vector<DecoderLayerFormat> formats;
   DecoderLayersOptions options;
   int64_t dim;
+  std::array<std::vector<DecoderLayer>, 2> layers;
 };
 
-DecoderRun decoder_run(const std::vector<DecoderLayerArrays>& layers,
-                       const DecoderLayersOptions& options);
+std::shared_ptr<const DecoderRun> decoder_run(const std::vector<DecoderLayerArrays>& layers,
+                                              const DecoderLayersOptions& options);
 
 // The run's output for decode rows x [T, dim]; layer i's K/V rows are written in place into
 // k_pools[i] and v_pools[i], float32 [P, page_size, n_kv_heads, head_dim] and row-contiguous,
 // which nothing else may hold (the caller checks that with MLX's is_donatable). tiled and
 // int8 as paged_attention's and quantized_linear's.
-mx::array decoder_layers(const DecoderRun& run, const mx::array& x,
+mx::array decoder_layers(const std::shared_ptr<const DecoderRun>& run, const mx::array& x,
                          const std::vector<mx::array>& k_pools,
                          const std::vector<mx::array>& v_pools, const mx::array& positions,
                          const mx::array& slot_mapping, const mx::array& block_table,
                          const mx::array& context_lens, const mx::array& query_start_loc,
                          bool tiled, bool int8, mx::StreamOrDevice s = {});
 
-// Inputs: x, positions, slot_mapping, block_table, context_lens, query_start_loc, each
-// layer's k and v pools, then the run's weights. Output: the last layer's. The pools are
-// written in place.
+// Inputs: x, positions, slot_mapping, block_table, context_lens, query_start_loc, then
+// each layer's k and v pools; the weights are the run's. Output: the last layer's. The
+// pools are written in place.
 class DecoderLayers : public mx::Primitive {
  public:
-  DecoderLayers(mx::Stream stream, DecoderLayersOptions options,
-                std::vector<DecoderLayerFormat> formats, bool tiled, bool int8)
-      : mx::Primitive(stream), options_(options), formats_(std::move(formats)), tiled_(tiled),
-        int8_(int8) {}
+  DecoderLayers(mx::Stream stream, std::shared_ptr<const DecoderRun> run, bool tiled, bool int8)
+      : mx::Primitive(stream), run_(std::move(run)), tiled_(tiled), int8_(int8) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "DecoderLayers"; }
 
  private:
-  DecoderLayersOptions options_;
-  std::vector<DecoderLayerFormat> formats_;
+  std::shared_ptr<const DecoderRun> run_;
   bool tiled_, int8_;
 };
 
