@@ -17,6 +17,8 @@
 - ``swiglu`` matches ``nn.silu(gate) * up`` over the range where exp over- and underflows;
 - ``rms_norm`` matches ``mx.fast.rms_norm`` (2-D and per-head 3-D rows, large and tiny
   values), a row alone and in a batch give the same bits;
+- ``argmax_rows`` is ``mx.argmax`` (ties, NaN, -inf, tails past whole vectors), and the
+  engine's greedy rows take it with the CPU kernels;
 - the decode matmul built for AVX2 and built with plain-array lanes (what other CPUs
   compile) gives the same bits; the CPU attention built for AVX2 and AVX-512 (two and
   three pairs per fold) gives the same bits, and each build the same in both schedules.
@@ -407,6 +409,53 @@ def test_rms_norm_refuses_bad_input(ext):
         ext.rms_norm(mx.zeros((2, 8)), mx.ones((7,)), 1e-5)
     with pytest.raises(ValueError, match="float32"):
         ext.rms_norm(mx.zeros((2, 8), dtype=mx.float16), mx.ones((8,), dtype=mx.float16), 1e-5)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 8, 49152 + 3])
+def test_argmax_rows_is_mlxs_argmax(ext, cols):
+    """Each row's index as mx.argmax gives it: the lowest among equal maxima (in a vector's
+    lanes, across vectors, in the tail), a NaN before any number, 0 for a row of -inf."""
+    rows = np.asarray(mx.random.normal((9, cols), key=mx.random.key(cols))).copy()
+    rows[1, :] = 2.0  # every column ties
+    rows[2, cols // 2:] = 50.0  # ties from the middle on (a lane, then later vectors)
+    rows[3, -1] = 60.0  # the maximum in the tail
+    rows[4, :] = -np.inf
+    rows[5, cols // 3] = np.nan  # a NaN outranks the numbers
+    rows[6, 0], rows[6, -1] = 70.0, np.nan
+    rows[7, -1], rows[7, 0] = np.nan, np.nan
+    x = mx.array(rows)
+    got, want = ext.argmax_rows(x), mx.argmax(x, axis=-1)
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert ext.argmax_rows(x[3:4]).tolist() == [cols - 1]  # a row alone
+
+
+def test_argmax_rows_refuses_bad_input(ext):
+    with pytest.raises(ValueError, match="float32"):
+        ext.argmax_rows(mx.zeros((2, 8), dtype=mx.float16))
+    with pytest.raises(ValueError, match="V >= 1"):
+        ext.argmax_rows(mx.zeros((2, 0)))
+    with pytest.raises(ValueError, match=r"\[R, V\]"):
+        ext.argmax_rows(mx.zeros((8,)))
+
+
+def test_the_greedy_rows_take_the_kernels_argmax_where_they_serve(smollm_tokenizer,
+                                                                   monkeypatch):
+    """The engine's greedy pick goes through the extension's argmax with the CPU kernels,
+    through MLX's without: the same tokens either way."""
+    from tiny_llm.engine import LLMEngine, runner
+    from tiny_llm.testing.models import make_tiny_model
+    from tiny_llm.testing.runs import tokens_of, workload
+
+    calls, kernel = [], runner.rows_argmax
+    monkeypatch.setattr(runner, "rows_argmax", lambda x: calls.append(x.shape) or kernel(x))
+    model = make_tiny_model("llama")
+    prompts, params = workload(4, seed=3, max_tokens=(2, 6), hi=50)
+    on = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64), prompts, params)
+    assert calls
+    calls.clear()
+    off = tokens_of(LLMEngine(model, smollm_tokenizer, num_pages=64, cpu_kernels=False),
+                    prompts, params)
+    assert not calls and on == off
 
 
 def test_the_command_line_turns_the_kernels_off():

@@ -174,6 +174,9 @@ void bind_model_kernels(nb::module_& m) {
   m.def("rms_norm", &tiny_llm::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "x * rsqrt(mean(x^2) + eps) * weight over the last axis, float32 on the CPU, one op.");
+  m.def("argmax_rows", &tiny_llm::argmax_rows, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Each row's index of its largest value, as mx.argmax(x, axis=-1) (float32 [R, V] on "
+        "a CPU stream; uint32 [R]): the greedy sampler's pick.");
   // The run is handed to Python as a capsule, not a bound class: the course builds a
   // learner's copy of this module beside it, and one C++ type bound by two modules is
   // registered only once.

@@ -77,4 +77,38 @@ void rms_norm_cpu(const float* x, const float* weight, float* out, int64_t rows,
   });
 }
 
+// Two passes over a row: its largest number, eight lanes at a time, noting any NaN on the
+// way; then the first index holding a NaN if it has one (a NaN outranks every number), else
+// the first holding the largest number.
+void argmax_rows_cpu(const float* x, uint32_t* out, int64_t rows, int64_t cols) {
+  parallel_for(static_cast<int>(rows), 2.0 * cols, [&](int r) {
+    const float* v = x + r * cols;
+    simd::Lanes8 best = simd::splat<simd::Lanes8>(-INFINITY);
+    simd::Ints8 nans = {};
+    int64_t i = 0;
+    for (; i + 8 <= cols; i += 8) {
+      const simd::Lanes8 a = simd::load8(v + i);
+      best = a > best ? a : best;
+      nans |= a != a;
+    }
+    float m = -INFINITY;
+    bool nan = false;
+    for (int l = 0; l < 8; ++l) {
+      m = best[l] > m ? best[l] : m;
+      nan = nan || nans[l] != 0;
+    }
+    for (; i < cols; ++i) {
+      m = v[i] > m ? v[i] : m;
+      nan = nan || v[i] != v[i];
+    }
+    int64_t at = 0;
+    if (nan) {
+      while (v[at] == v[at]) ++at;
+    } else {
+      while (v[at] != m) ++at;  // m is one of the row's values (cols >= 1)
+    }
+    out[r] = static_cast<uint32_t>(at);
+  });
+}
+
 }  // namespace tiny_llm

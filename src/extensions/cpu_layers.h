@@ -12,6 +12,10 @@
 // rms_norm: x * (1 / sqrt(mean(x^2) + eps)) * weight over each row, as mx.fast.rms_norm
 // defines it (MLX's CPU back end runs it as a chain of ops, each a pass over the rows; here
 // it is one pass).
+//
+// argmax_rows: each row's index of its largest value, as mx.argmax defines it (the lowest
+// index among equal values; a NaN is larger than any number), for the greedy sampler: MLX's
+// CPU argmax compares one element at a time.
 #pragma once
 
 #include <cstdint>
@@ -32,5 +36,7 @@ void swiglu_cpu(const float* gate, const float* up, float* out, int64_t rows, in
 
 void rms_norm_cpu(const float* x, const float* weight, float* out, int64_t rows, int64_t cols,
                   float eps);
+
+void argmax_rows_cpu(const float* x, uint32_t* out, int64_t rows, int64_t cols);
 
 }  // namespace tiny_llm

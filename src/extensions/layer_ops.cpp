@@ -58,6 +58,18 @@ void RmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("RmsNorm: GPU streams use mx.fast.rms_norm (tiny_llm/kernels/cpu_kernels.py)");
 }
 
+void ArgmaxRows::eval_cpu(const std::vector<mx::array>& inputs,
+                          std::vector<mx::array>& outputs) {
+  auto& enc = begin_cpu_eval(stream(), inputs, outputs);
+  const auto x = row_major(inputs[0], enc);
+  enc.dispatch([x = x.data<float>(), y = outputs[0].data<uint32_t>(), rows = x.shape(0),
+                cols = x.shape(1)]() { argmax_rows_cpu(x, y, rows, cols); });
+}
+
+void ArgmaxRows::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("ArgmaxRows: GPU streams use mx.argmax (tiny_llm/kernels/cpu_kernels.py)");
+}
+
 bool Rope::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const Rope&>(other);
   return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
@@ -96,6 +108,14 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
   auto stream = mx::to_stream(s);
   check(stream.device == mx::Device::cpu, "rms_norm runs on CPU streams only");
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {x, weight});
+}
+
+mx::array argmax_rows(const mx::array& x, mx::StreamOrDevice s) {
+  check(x.dtype() == mx::float32 && x.ndim() == 2 && x.shape(1) >= 1,
+        "argmax_rows needs float32 x [R, V] with V >= 1");
+  auto stream = mx::to_stream(s);
+  check(stream.device == mx::Device::cpu, "argmax_rows runs on CPU streams only");
+  return mx::array({x.shape(0)}, mx::uint32, std::make_shared<ArgmaxRows>(stream), {x});
 }
 
 }  // namespace tiny_llm

@@ -5,6 +5,8 @@
 //   swiglu(gate, up) -> silu(gate) * up, float32 on a CPU stream (cpu_layers.h).
 //   rms_norm(x [..., D], weight [D], eps) -> x normalised over its last axis, float32 on a
 //       CPU stream (cpu_layers.h).
+//   argmax_rows(x [R, V]) -> uint32 [R], each row's mx.argmax, float32 on a CPU stream: the
+//       greedy sampler's pick (cpu_layers.h).
 #pragma once
 
 #include "mlx/ops.h"
@@ -21,6 +23,8 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    mx::StreamOrDevice s = {});
+
+mx::array argmax_rows(const mx::array& x, mx::StreamOrDevice s = {});
 
 // Inputs: x [T, H, D] float32, positions int32 [T], inv_freq float32 [dims / 2].
 class Rope : public mx::Primitive {
@@ -61,6 +65,16 @@ class RmsNorm : public mx::Primitive {
 
  private:
   float eps_;
+};
+
+// Input: x [R, V] float32, V >= 1.
+class ArgmaxRows : public mx::Primitive {
+ public:
+  explicit ArgmaxRows(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "ArgmaxRows"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 }  // namespace tiny_llm

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiny_llm.distributed.workers import Workers
-from tiny_llm.kernels.cpu_kernels import KernelPlan, kernels_available
+from tiny_llm.kernels.cpu_kernels import KernelPlan, kernels_available, rows_argmax
 from tiny_llm.models.model import Model
 from tiny_llm.sampling.sampler import TokenLogprob, sample_next_tokens
 from tiny_llm.step.batch import (
@@ -116,7 +116,7 @@ class ModelRunner:
         try:
             if max(batch.num_logits) == 1:  # one row each: the sampler takes them together
                 drawn = sample_next_tokens(logits, [r.sampler for r in requests],
-                                           self.logprobs_mode)
+                                           self.logprobs_mode, self.argmax())
                 return [Emitted([token]) for token in drawn]
             return self.sample_with_drafts(logits, batch, verify)
         except BaseException:
@@ -171,6 +171,10 @@ class ModelRunner:
         return KernelPlan(batch.decode_rows, k.int8_activations, fused)
     # ANCHOR_END: runner_kernel_plan
 
+    def argmax(self) -> Callable[[mx.array], mx.array] | None:
+        """The greedy rows' argmax where the CPU kernels serve (None: MLX's)."""
+        return rows_argmax if self.kernels.cpu_kernels and kernels_available() else None
+
     # ANCHOR: sample_with_drafts
     def sample_with_drafts(self, logits: mx.array, batch: StepBatch,
                            verify: Callable[[Request, Drafts, mx.array], Emitted] | None
@@ -184,7 +188,7 @@ class ModelRunner:
         if plain:
             picked = logits[mx.array([int(rows[i]) for i in plain])]
             drawn = sample_next_tokens(picked, [requests[i].sampler for i in plain],
-                                       self.logprobs_mode)
+                                       self.logprobs_mode, self.argmax())
             for i, token in zip(plain, drawn, strict=True):
                 emitted[i] = Emitted([token])
         for i, n in enumerate(batch.num_logits):

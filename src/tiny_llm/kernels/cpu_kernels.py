@@ -109,6 +109,14 @@ def kernels_available() -> bool:
     return not plans_for_gpu() and reference_extension() is not None
 
 
+def rows_argmax(x: mx.array) -> mx.array:
+    """``mx.argmax(x, axis=-1)`` of rows ``[R, V]`` on the CPU: the extension's op for
+    float32 rows (MLX's CPU argmax compares one element at a time), MLX's otherwise."""
+    if x.dtype == mx.float32 and x.ndim == 2 and x.shape[1] > 0:
+        return reference_extension().argmax_rows(x)
+    return mx.argmax(x, axis=-1)
+
+
 def kernels_on(kernels: KernelPlan | None, *arrays: mx.array) -> bool:
     """Whether ops on these inputs take the extension's kernels: with a plan (the runner
     makes one only where they can serve: a CPU, the extension built), in float32."""

@@ -49,7 +49,7 @@ values gives the same result as sorting the vocabulary. Min-p alone needs no sor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -305,10 +305,12 @@ def _rows(logits: mx.array, rows: list[int]) -> mx.array:
 
 # ANCHOR: sample_next_tokens
 def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler],
-                       logprobs_mode: str = "raw_logprobs") -> list[int]:
+                       logprobs_mode: str = "raw_logprobs",
+                       argmax: Callable[[mx.array], mx.array] | None = None) -> list[int]:
     """Next token for each row of ``logits`` [B, V]; row b uses ``samplers[b]``. A request
     with ``logprobs`` records each token in the distribution ``logprobs_mode`` names
-    (``TokenLogprob``)."""
+    (``TokenLogprob``). ``argmax``: the greedy rows' ``mx.argmax(rows, axis=-1)``, computed
+    another way (the CPU kernels' op)."""
     if logits.ndim != 2 or logits.shape[0] != len(samplers):
         raise ValueError(
             f"logits must be [B, V] with B == len(samplers) == {len(samplers)}, "
@@ -321,8 +323,9 @@ def sample_next_tokens(logits: mx.array, samplers: Sequence[RequestSampler],
     greedy = [b for b, s in enumerate(samplers) if plain[b]]
     on_host = [b for b, s in enumerate(samplers) if not plain[b]]
     if greedy:
-        argmax = mx.argmax(_rows(logits, greedy), axis=-1).tolist()
-        for b, token in zip(greedy, argmax, strict=True):
+        rows = _rows(logits, greedy)
+        picked = (mx.argmax(rows, axis=-1) if argmax is None else argmax(rows)).tolist()
+        for b, token in zip(greedy, picked, strict=True):
             tokens[b] = token
     if on_host:
         for b, row in zip(on_host, np.array(_rows(logits, on_host)), strict=True):
