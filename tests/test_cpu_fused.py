@@ -259,13 +259,26 @@ def test_a_pool_held_elsewhere_is_not_written_in_place(smollm_tokenizer, holder)
     assert cpu_fused.fused_layers_run > fused  # nothing holds the pools now: fused again
 
 
-def test_replaced_weights_are_read_again(smollm_tokenizer):
-    """The layers' arrays are read once and kept while the modules and arrays stay the
-    same; a weight replaced after a run is the one the next run multiplies by."""
+def replace(model: nn.Module, what: str) -> None:
+    """An array, a module or a block of ``model`` replaced after it ran."""
+    layers = model.model.layers
+    if what == "array":
+        down = layers[1].mlp.down_proj
+        down.update({"scales": down.scales * 2})
+    elif what == "module":
+        first, second = layers[0].mlp, layers[1].mlp
+        first.down_proj, second.down_proj = second.down_proj, first.down_proj
+    else:  # two blocks trade places in the list (each keeps its own pools)
+        layers[0], layers[1] = layers[1], layers[0]
+
+
+@pytest.mark.parametrize("what", ["array", "module", "block"])
+def test_replaced_weights_are_read_again(smollm_tokenizer, what):
+    """The layers' arrays are read once and kept while the blocks, their modules and
+    arrays stay the same; one replaced after a run is the one the next run multiplies by."""
     model = model_of("4-bit")
     run(model, smollm_tokenizer)
-    down = model.model.layers[1].mlp.down_proj
-    model.model.layers[1].mlp.down_proj.update({"scales": down.scales * 2})
+    replace(model, what)
     tokens, logits, fused = run(model, smollm_tokenizer)
     want_tokens, want_logits, _ = run(model, smollm_tokenizer, fused_layers=False)
     assert fused > 0 and tokens == want_tokens

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Protocol
 
 from tiny_llm.kernels.cpu_fused import (
@@ -306,36 +307,19 @@ class TransformerBlock(nn.Module):
 # ANCHOR_END: block
 
     # What the fused decode path (``kernels/cpu_fused.py``) takes of the block. Children as
-    # dict items: self.self_attn would go through nn.Module.__getattr__, and fused_layer
-    # runs every decode step.
+    # dict items: self.self_attn would go through nn.Module.__getattr__.
+
+    def fused_sources(self) -> list[dict]:
+        """The modules whose items ``fused_layer`` reads: the block, its children and
+        theirs (an MoE block's experts may be a list: its identity is an item too)."""
+        children = [m for m in self.values() if isinstance(m, dict)]
+        return [self, *children, *(m for c in children for m in c.values()
+                                   if isinstance(m, dict))]
 
     def fused_layer(self) -> FusedLayer | None:
-        """The block as the fused decoder op takes it, worked out again only when one of
-        its modules or arrays was replaced (``load_weights``, ``update``, a new module)."""
-        sources = self._fused_sources()
-        cached = self.__dict__.get("_fused_layer")
-        if cached is not None and len(cached[0]) == len(sources) and all(
-                map(operator.is_, cached[0], sources)):
-            return cached[1]
-        layer = self._read_fused_layer()
-        # object's setattr: nn.Module's would store a tuple among the block's parameters.
-        object.__setattr__(self, "_fused_layer", (sources, layer))
-        return layer
-
-    def _fused_sources(self) -> list[Any]:
-        """The modules and arrays ``_read_fused_layer`` reads."""
-        attn, mlp = self["self_attn"], self["mlp"]
-        parts = [self["input_layernorm"], self["post_attention_layernorm"], *attn.values(),
-                 *mlp.values()]
-        objects = [attn, mlp, *parts]
-        for part in parts:
-            if isinstance(part, dict):  # a module (an MoE block's experts may be a list)
-                objects += part.values()
-        return objects
-
-    def _read_fused_layer(self) -> FusedLayer | None:
-        """None for a Mixture-of-Experts block and for weights or norms the op's kernels do
-        not serve."""
+        """The block as the fused decoder op takes it (``Model.fused_layers`` keeps it while
+        the block's sources keep their items). None for a Mixture-of-Experts block and for
+        weights or norms the op's kernels do not serve."""
         attn, mlp = self["self_attn"], self["mlp"]
         if not isinstance(mlp, MLP):
             return None
@@ -422,13 +406,34 @@ class Model(nn.Module):
         h = self.model.embed_tokens(tokens)
         layers = self.model.layers
         if kernels is not None and kernels.fused is not None and (out := fused_decoder_layers(
-                layers, [b.fused_layer() for b in layers], h, positions, cache,
-                kernels)) is not None:
+                layers, self.fused_layers(), h, positions, cache, kernels)) is not None:
             return out  # a decode step on a CPU: runs of layers as single ops, the same bits
         for layer in self.model.layers:
             h = layer(h, positions, cache, kernels)
         return h
 # ANCHOR_END: model
+
+    def fused_layers(self) -> list[FusedLayer | None]:
+        """Each decoder block as the fused decoder op takes it, read again only when a block,
+        or a module or array of one, was replaced (``load_weights``, ``update``, a new
+        module). The check runs every decode step: one pass over the sources' items by
+        identity, in C (``map``), not a walk of the blocks in Python."""
+        blocks = self.model.layers
+        cached = self.__dict__.get("_fused_layers")
+        if cached is not None:
+            held, sources, lengths, items, layers = cached
+            if (len(blocks) == len(held) and all(map(operator.is_, blocks, held))
+                    and list(map(len, sources)) == lengths
+                    and all(map(operator.is_, chain.from_iterable(map(dict.values, sources)),
+                                items))):
+                return layers
+        sources = [s for b in blocks for s in b.fused_sources()]
+        layers = [b.fused_layer() for b in blocks]
+        # object's setattr: nn.Module's would store the tuple among the model's parameters.
+        object.__setattr__(self, "_fused_layers", (
+            list(blocks), sources, list(map(len, sources)),
+            list(chain.from_iterable(map(dict.values, sources))), layers))
+        return layers
 
     @property
     def dtype(self) -> mx.Dtype:
