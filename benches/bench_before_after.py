@@ -212,20 +212,28 @@ def main() -> None:
                    for side in rounds for rnd in rounds[side])
         data[label] = {side: [rnd[label]["tok_per_s"] for rnd in rounds[side]]
                        for side in rounds} | {"same_tokens": same}
+        # Each round's two runs follow each other: their ratio cancels a drift of the
+        # machine's speed slower than a round, which a ratio of medians does not.
+        paired = [a[label]["tok_per_s"] / b[label]["tok_per_s"]
+                  for a, b in zip(rounds["after"], rounds["before"], strict=True)]
+        data[label]["paired_ratios"] = paired
         rows.append([label, tps["before"], tps["after"], tps["after"] / tps["before"],
+                     statistics.median(paired), min(paired), max(paired),
                      "yes" if same else "no"])
     table = Table(
         title=f"The engine before ({base_rev}) and after: output tok/s, side by side",
         headers=["workload / configuration", "before tok/s", "after tok/s", "after / before",
-                 "same tokens"],
-        rows=rows, formats=["", ".1f", ".1f", ".3f", ""],
+                 "per round", "lowest", "highest", "same tokens"],
+        rows=rows, formats=["", ".1f", ".1f", ".3f", ".3f", ".3f", ".3f", ""],
         note=(("A tiny random model (--quick: the scripts' quick workloads)" if args.quick
                else "SmolLM2-135M-Instruct (float32)") + " on the CPU; W32: "
               "bench_cpu_speed's serving workload, all at t=0, default engine; one request: "
               "bench_vs_llama_cpp's on the GGUF's weights as stored (the whole request, "
               "prefill and decode); the other rows: bench_week3_day5's progression workload "
               "per configuration. Each tree in its "
-              "own process, the two alternating every round; medians; same tokens: every "
+              "own process, the two alternating every round; medians; per round: the median of "
+              "each round's after / before (its two runs back to back), with the lowest and "
+              "highest; same tokens: every "
               "request's greedy tokens equal in every round of both trees."))
     save_results(NAME + ("_quick" if args.quick else ""), dict(base=base_rev, results=data),
                  [table], rounds=args.rounds)
