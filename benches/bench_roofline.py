@@ -44,12 +44,15 @@ sequences after their prompts, placed by the file's bytes and its float16 K/V.
 
 On a GPU (a Mac) the one configuration is the engine's default there, and evaluation is
 one line: the Metal kernels, their launches and command buffers run inside ``mx.eval``
-where the CPU's clocks do not reach (the book's appendix says how to split them with
-Xcode's Metal capture); the bandwidth is an MLX copy on the GPU. The GPU rehearsal runs
-that configuration on the CPU (its decisions, not a GPU's times).
+where the CPU's clocks do not reach; the bandwidth is an MLX copy on the GPU. To split that
+line, ``--metal-capture PATH.gputrace`` records batch 1's timed decode steps of the last
+round as a Metal capture (``mx.metal.start_capture``; run with ``MTL_CAPTURE_ENABLED=1``)
+that Xcode opens: each kernel's GPU time, and the gaps between command buffers. The GPU
+rehearsal runs that configuration on the CPU (its decisions, not a GPU's times).
 
     python benches/bench_roofline.py [--llama-bench PATH]   # about 5 minutes on 2 cores
     python benches/bench_roofline.py --quick                # tiny random model
+    MTL_CAPTURE_ENABLED=1 python benches/bench_roofline.py --metal-capture step.gputrace
 """
 
 from __future__ import annotations
@@ -129,14 +132,16 @@ class StepClock:
         """One engine step, its phases in seconds (and ``wall``)."""
         for k in self.t:
             self.t[k] = 0.0
-        ext = reference_extension()
-        if self.kernel_clocks:
+        ext = reference_extension() if self.kernel_clocks else None
+        if ext is not None:
             ext.profile(True)
         start = time.perf_counter()
         self.engine.step()
         wall = time.perf_counter() - start
-        kernels = ext.profile_totals() if self.kernel_clocks else {}
-        ext.profile(False)
+        kernels = {}
+        if ext is not None:
+            kernels = ext.profile_totals()
+            ext.profile(False)
         t = self.t
         out = {"wall": wall, "scheduler": t["scheduler"], "sampler": t["sampler"],
                "graph": t["graph"], "eval": t["eval"]}
@@ -148,10 +153,12 @@ class StepClock:
 
 
 def run_batch(model: Any, tokenizer: Any, config: tuple[bool, bool, bool], batch: int,
-              prompt: int, steps: int, seed: int, kernel_clocks: bool) -> dict[str, Any]:
+              prompt: int, steps: int, seed: int, kernel_clocks: bool,
+              capture: Path | None = None) -> dict[str, Any]:
     """``batch`` requests of ``prompt`` tokens: the first step's phases (a prefill step) and
     the phases of the median of ``steps`` decode steps, with ``keys``: the keys a row
-    attends over, on average over the timed steps."""
+    attends over, on average over the timed steps. ``capture``: a Metal capture of the
+    timed steps written there (on a GPU)."""
     _, fused, int8 = config
     rng = random.Random(seed)
     # Requests whose prompts are done decode while the others prefill: room for those steps.
@@ -169,7 +176,11 @@ def run_batch(model: Any, tokenizer: Any, config: tuple[bool, bool, bool], batch
         clock.step()
     clock.step()  # every request's first decode step (its first token was the prompt's)
     computed = [r.num_computed_tokens for r in engine.requests.values()]
+    if capture is not None:
+        mx.metal.start_capture(str(capture))
     timed = [clock.step() for _ in range(steps)]
+    if capture is not None:
+        mx.metal.stop_capture()
     assert len(engine.requests) == batch, "a request finished before the timed steps ended"
     decode = dict(median_step(timed))
     # Timed step i's row reads its request's computed tokens and itself: computed + i + 1.
@@ -282,9 +293,9 @@ def roofline_points(res: dict[str, Any], data: dict[str, Any]) -> list[tuple[str
         label, batch = key.split("|")
         v = data["volumes"][key]
         nbytes = v["weight_bytes"] + v["kv_bytes"]
-        points.append((label, batch, {"intensity": v["flops"] / nbytes,
-                                      "bytes_s": nbytes / r["wall"],
-                                      "flops_s": v["flops"] / r["wall"]}))
+        points.append((label, int(batch) if batch.isdigit() else batch,
+                       {"intensity": v["flops"] / nbytes, "bytes_s": nbytes / r["wall"],
+                        "flops_s": v["flops"] / r["wall"]}))
     return points
 
 
@@ -332,7 +343,7 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
                    marker=markers[label], s=50, label=label,
                    color="black" if label == "llama.cpp" else None)
         for b, p in mine:
-            ax.annotate(b if b != "prefill" else "prefill", (p["intensity"], p["flops_s"]),
+            ax.annotate(str(b), (p["intensity"], p["flops_s"]),
                         textcoords="offset points", xytext=(5, 3), fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -369,8 +380,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size")
     ap.add_argument("--llama-bench", type=Path,
                     help="path of llama.cpp's llama-bench (llama-batched-bench beside it)")
+    ap.add_argument("--metal-capture", type=Path, metavar="PATH.gputrace",
+                    help="on a GPU, record batch 1's timed decode steps of the last round as "
+                         "a Metal capture for Xcode (run with MTL_CAPTURE_ENABLED=1)")
     args = ap.parse_args()
     device = bench_device()
+    if args.metal_capture is not None and device != "gpu":
+        raise SystemExit("--metal-capture records a GPU's work: this run is on the "
+                         f"{'CPU' if device == 'cpu' else 'CPU, in the GPU rehearsal'}")
+    if args.metal_capture is not None and (args.metal_capture.suffix != ".gputrace"
+                                           or args.metal_capture.exists()):
+        raise SystemExit(f"--metal-capture needs a new .gputrace path: {args.metal_capture}")
     if device == "cpu":
         use_cpu()
     if args.quick and "--rounds" not in sys.argv:
@@ -417,8 +437,10 @@ def main() -> None:
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # rotated
             model, config = configs[label]
             for batch, prompt in prompts.items():
+                capture = (args.metal_capture if batch == 1 and r == args.rounds - 1
+                           else None)
                 out = run_batch(model, tokenizer, config, batch, prompt, args.steps, seed=r,
-                                kernel_clocks=device == "cpu")
+                                kernel_clocks=device == "cpu", capture=capture)
                 measured.append({"key": f"{label}|{batch}", **out["decode"]})
                 if batch == 1:
                     measured.append({"key": f"{label}|prefill", **out["prefill"]})

@@ -10,6 +10,13 @@ llama.cpp sources ship inside the ``llama-cpp-python`` source package on PyPI:
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF
     cmake --build build -j2 --target llama-bench llama-batched-bench   # 10-15 minutes
 
+Where the CPU has AMX but the system does not enable it for programs (a virtual machine may
+not), ``-march=native`` builds llama.cpp's AMX kernels and ``llama-bench`` dies with an
+illegal instruction: configure with ``-DGGML_NATIVE=OFF`` and the CPU's other extensions
+named instead (for AVX-512 with VNNI: ``-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_BMI2=ON``).
+
 Each round, in turn (``--rounds``, default 3; medians):
 
 - **llama.cpp**: ``llama-bench -m <the default GGUF> -p 512 -n 0 -t <cores>`` (prompt

@@ -25,7 +25,9 @@ script measures the GPU.
 ``--add`` measures a script the edition never ran (a chapter written after it) at the
 current commit and keeps every other result: that script's tables compare only
 configurations it measured itself, side by side, so they stand on their own engine; the
-edition's table names it and its commit.
+edition's table names it and its commit, and its machine where that is not the edition's
+(its ratios stand on their own machine too; its absolute numbers are that machine's).
+``bench_roofline`` places llama.cpp beside the engine where ``--llama-bench`` is given.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO_ROOT / "tools"))
 from book_results import cited_results  # noqa: E402
 
 NEEDS_LLAMA_BENCH = "bench_vs_llama_cpp"
+TAKES_LLAMA_BENCH = "bench_roofline"  # runs without it, its llama.cpp points left out
 # Linux /proc/cpuinfo flags (x86 "flags", Arm "Features") that decide which kernels run.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
@@ -87,9 +90,9 @@ def tree_is_clean() -> bool:
 def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]:
     """Run ``benches/<name>.py``; (name, seconds, outcome) for the edition's table."""
     command = [sys.executable, str(REPO_ROOT / "benches" / f"{name}.py"), "--rounds", str(rounds)]
-    if name == NEEDS_LLAMA_BENCH:
-        if llama_bench is None:
-            return [name, None, "not run (no --llama-bench): its own machine and commit"]
+    if name == NEEDS_LLAMA_BENCH and llama_bench is None:
+        return [name, None, "not run (no --llama-bench): its own machine and commit"]
+    if name in (NEEDS_LLAMA_BENCH, TAKES_LLAMA_BENCH) and llama_bench is not None:
         command += ["--llama-bench", str(llama_bench)]
     print(f"edition: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
@@ -105,14 +108,14 @@ def git(*args: str) -> subprocess.CompletedProcess:
 
 
 def earlier_edition(machine: Table, same_engine: bool) -> dict:
-    """The edition that ``--only`` redoes scripts of (or ``--add`` adds to): on this
-    machine; for ``--only`` with the engine (``src/``) unchanged since it, so that every
-    result still measures one engine."""
+    """The edition that ``--only`` redoes scripts of (or ``--add`` adds to): for ``--only``
+    on this machine with the engine (``src/``) unchanged since it, so that every result
+    still measures one engine and one machine."""
     path = REPO_ROOT / "benchmark_results" / "edition.json"
     if not path.exists():
         raise SystemExit("--only redoes scripts of an edition: run a whole one first")
     edition = json.loads(path.read_text())
-    if edition["tables"][0]["rows"][0] != machine.rows[0]:
+    if same_engine and edition["tables"][0]["rows"][0] != machine.rows[0]:
         raise SystemExit("the edition was measured on another CPU: run a whole edition here")
     commit = edition["data"]["engine_commit"]
     if same_engine and git("diff", "--quiet", commit, "HEAD", "--", "src").returncode != 0:
@@ -150,11 +153,12 @@ def main() -> None:
     machine = machine_table()
     commit = environment()["git_commit"]
     rows = {name: [name, None, "not run", commit] for name in names}
-    engine_commit, added = commit, {}
+    engine_commit, added, added_on = commit, {}, {}
     if chosen:
         edition = earlier_edition(machine, same_engine=bool(args.only))
         engine_commit = edition["data"]["engine_commit"]
         added = edition["data"].get("added", {})
+        added_on = edition["data"].get("added_on", {})
         earlier = {row[0]: row for row in edition["tables"][1]["rows"]}
         if args.add:
             ran = sorted(n for n in args.add if n in earlier and n not in added)
@@ -162,19 +166,26 @@ def main() -> None:
                 raise SystemExit(f"{ran} are the edition's own scripts: a new edition redoes "
                                  "them (or --only, the engine unchanged)")
         rows |= {name: row for name, row in earlier.items() if name in rows}
+        here = machine.rows[0][1]
         machine = Table(**{k: edition["tables"][0][k] for k in ("title", "headers", "rows")})
+        if args.add and here != machine.rows[0][1]:
+            added_on |= dict.fromkeys(args.add, here)
     for name in chosen or names:
         rows[name] = [*run_script(name, args.rounds, args.llama_bench), commit]
     added |= dict.fromkeys(args.add or [], commit)
     note = f"The engine (src/) of every commit above is that of {engine_commit}"
     if added:
-        note += (", but for " + ", ".join(f"{n} (added at {c})" for n, c in added.items())
-                 + ": a later chapter's script, measured on the engine of its own commit")
+        note += (", but for " + ", ".join(
+            f"{n} (added at {c}" + (f", on {added_on[n]}" if n in added_on else "") + ")"
+            for n, c in added.items())
+                 + ": a later chapter's script, measured on the engine of its own commit"
+                 + (" and, where named, on another machine than the edition's" if added_on
+                    else ""))
     scripts = Table("The edition's scripts, one after the other",
                     ["result", "seconds", "outcome", "commit"], list(rows.values()),
                     formats=["", ".0f", "", ""], note=note + ".")
-    save_results("edition", {"results": names, "engine_commit": engine_commit, "added": added},
-                 [machine, scripts], rounds=args.rounds)
+    save_results("edition", {"results": names, "engine_commit": engine_commit, "added": added,
+                             "added_on": added_on}, [machine, scripts], rounds=args.rounds)
     failed = [r[0] for r in rows.values() if str(r[2]).startswith("failed")]
     if failed:
         raise SystemExit(f"failed: {failed}")

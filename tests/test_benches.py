@@ -135,6 +135,13 @@ def test_the_roofline_accounts_for_every_millisecond(quick: Ahead):
     assert (folder / "bench_roofline_quick.png").is_file()
 
 
+@pytest.mark.device_independent
+def test_the_roofline_refuses_a_metal_capture_off_a_gpu(tmp_path):
+    proc = run_quick("bench_roofline", tmp_path, None, "--metal-capture",
+                     str(tmp_path / "step.gputrace"))
+    assert proc.returncode != 0 and "--metal-capture records a GPU's work" in proc.stderr
+
+
 @pytest.mark.device_independent  # it sets the rehearsal itself
 def test_the_roofline_runs_the_gpus_account_in_the_rehearsal(tmp_path):
     """On a GPU the account has one configuration and no kernel clocks: the rehearsal runs
