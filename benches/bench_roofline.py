@@ -27,14 +27,15 @@ its time. Each step's wall time is split into what it is, by clocks around each 
 
 Next to the split, the bound: the step's bytes (every weight once, the embedding's rows
 looked up, and the K/V of every request's context in float32, once: a prompt's rows share
-theirs) at the copy bandwidth
-measured in the run (a 256 MB numpy copy, bytes read + written), and the step's flops
-(2 per matmul weight per row, and attention's 4 per key per query head and dimension).
+theirs) at the copy bandwidth (a 256 MB numpy copy, bytes read + written), and the step's
+flops (2 per matmul weight per row, and attention's 4 per key per query head and
+dimension). The ceilings are measured in every round just before each configuration's
+runs, and each step is held to its own: a shared machine's speed drifts within minutes.
 The projections' time against the weights' bytes at that bandwidth and attention's against
 its K/V bytes say how far each is from streaming its bytes. The roofline figure places
 each (configuration, batch) by its arithmetic intensity (flops / bytes) and attained flop
-rate, under the measured ceilings: the copy bandwidth and the float32 GEMM rate of
-OpenBLAS split over every core (a 1024^3 product).
+rate, under the ceilings (their medians over the run): the copy bandwidth and the float32
+GEMM rate of OpenBLAS split over every core (a 1024^3 product).
 
 llama.cpp on the same GGUF goes on the same figure where it is built
 (``--llama-bench PATH``; ``llama-batched-bench`` is taken from the same folder; see
@@ -238,13 +239,13 @@ def account_rows(res: dict[str, Any], data: dict[str, Any]) -> list[list[Any]]:
             if key not in res:
                 continue
             r, v = res[key], data["volumes"][key]
-            bound = (v["weight_bytes"] + v["kv_bytes"]) / data["bandwidth"]
+            bound = (v["weight_bytes"] + v["kv_bytes"]) / r["bandwidth"]
             step = r["wall"]
             rows.append([label, batch if batch != "prefill" else f"prefill {data['prompts']['1']}",
                          step * 1e3, bound * 1e3, bound / step,
                          *[r[p] * 1e3 for p in PHASES],
-                         v["weight_bytes"] / data["bandwidth"] * 1e3,
-                         v["kv_bytes"] / data["bandwidth"] * 1e3])
+                         v["weight_bytes"] / r["bandwidth"] * 1e3,
+                         v["kv_bytes"] / r["bandwidth"] * 1e3])
     return rows
 
 
@@ -259,25 +260,28 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
         note=(f"{data['where']}. Batch B: B requests decoding after prompts of "
               f"{', '.join(f'{p} tokens at batch {b}' for b, p in data['prompts'].items())}; "
               f"the decode step of median time of {data['steps']}; prefill: batch 1's prompt "
-              "as one step. Bound: the step's weight bytes and the K/V bytes its rows attend over, "
-              f"at the copy bandwidth ({data['bandwidth'] / 1e9:.1f} GB/s); of bound: bound / "
-              "step. Phases: Python's scheduler, sampler and the rest of the step; the graph "
-              "built in Python; evaluation split by the extension's kernel clocks (wall time "
-              "on MLX's stream thread, each kernel's own; thread wait: at the end of a pool "
-              "job, for the other threads), MLX eval: evaluation outside those kernels. The "
-              "two last columns: the weights' and the K/V's bytes at the copy bandwidth, the "
-              "least the projections and attention could take. The round of median step "
-              f"time of {data['rounds']}."))
+              "as one step. Bound: the step's weight bytes and the K/V bytes its rows attend "
+              "over, at the copy bandwidth measured just before the configuration's runs of "
+              f"the same round (over the run: {spread_words(data['bandwidths'], 1e9)} GB/s); "
+              "of bound: bound / step. Phases: Python's scheduler, sampler and the rest of "
+              "the step; the graph built in Python; evaluation split by the extension's "
+              "kernel clocks (wall time on MLX's stream thread, each kernel's own; thread "
+              "wait: at the end of a pool job, for the other threads), MLX eval: evaluation "
+              "outside those kernels. The two last columns: the weights' and the K/V's bytes "
+              "at the copy bandwidth, the least the projections and attention could take. "
+              f"The round of median step time of {data['rounds']}."))
     roof = Table(
         title="On the roofline: arithmetic intensity and attained rates",
         headers=["", "batch", "flops / byte", "GB/s", "of copy bandwidth", "GFLOP/s",
                  "of GEMM peak"],
         rows=roofline_rows(res, data),
         formats=["", "", ".1f", ".1f", ".0%", ".1f", ".0%"],
-        note=(f"Each step's bytes and flops (as above) over its time. Ceilings measured in the "
-              f"run: copy bandwidth {data['bandwidth'] / 1e9:.1f} GB/s, "
-              + (f"float32 GEMM {data['peak_flops'] / 1e9:.0f} GFLOP/s (a 1024^3 product, "
-                 "OpenBLAS split over every core). " if data["peak_flops"] else "")
+        note=("Each step's bytes and flops (as above) over its time, against the ceilings "
+              "measured just before its configuration's runs of the same round: the copy "
+              f"bandwidth ({spread_words(data['bandwidths'], 1e9)} GB/s over the run)"
+              + (" and the float32 GEMM rate (a 1024^3 product, OpenBLAS split over every "
+                 f"core: {spread_words(data['peaks'], 1e9)} GFLOP/s). " if data["peaks"]
+                 else ". ")
               + "llama.cpp: tokens per second of its generation after the same context, "
               "its bytes those of the file and of its float16 K/V."))
     tables = [account, roof]
@@ -295,22 +299,28 @@ def roofline_points(res: dict[str, Any], data: dict[str, Any]) -> list[tuple[str
         nbytes = v["weight_bytes"] + v["kv_bytes"]
         points.append((label, int(batch) if batch.isdigit() else batch,
                        {"intensity": v["flops"] / nbytes, "bytes_s": nbytes / r["wall"],
-                        "flops_s": v["flops"] / r["wall"]}))
+                        "flops_s": v["flops"] / r["wall"], "bandwidth": r["bandwidth"],
+                        "peak_flops": r["peak_flops"]}))
     return points
 
 
 def roofline_rows(res: dict[str, Any], data: dict[str, Any]) -> list[list[Any]]:
-    peak = data["peak_flops"]
-    return [[label, batch, p["intensity"], p["bytes_s"] / 1e9, p["bytes_s"] / data["bandwidth"],
-             p["flops_s"] / 1e9, p["flops_s"] / peak if peak else None]
+    return [[label, batch, p["intensity"], p["bytes_s"] / 1e9, p["bytes_s"] / p["bandwidth"],
+             p["flops_s"] / 1e9, p["flops_s"] / p["peak_flops"] if p["peak_flops"] else None]
             for label, batch, p in roofline_points(res, data)]
+
+
+def spread_words(values: list[float], unit: float) -> str:
+    """"median (lowest-highest)" of measurements, in ``unit``s."""
+    lo, mid, hi = min(values) / unit, statistics.median(values) / unit, max(values) / unit
+    return f"{mid:.0f} ({lo:.0f}-{hi:.0f})" if mid >= 100 else f"{mid:.1f} ({lo:.1f}-{hi:.1f})"
 
 
 def goals(res: dict[str, Any], data: dict[str, Any]) -> Table:
     key = "as stored, fused|1"
     stored, llama = res[key], res["llama.cpp|1"]
     v = data["volumes"][key]
-    of_bound = (v["weight_bytes"] + v["kv_bytes"]) / data["bandwidth"] / stored["wall"]
+    of_bound = (v["weight_bytes"] + v["kv_bytes"]) / stored["bandwidth"] / stored["wall"]
     ratio = llama["wall"] / stored["wall"]
     return goals_table("One request's decode with the weights as stored", [
         ("at 60% of the memory-bandwidth bound or more", f"{of_bound:.0%}", of_bound >= 0.6),
@@ -330,10 +340,12 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
     lo = min(p["intensity"] for _, _, p in points) / 2
     hi = max(p["intensity"] for _, _, p in points) * 2
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-    peak = data["peak_flops"] or float("inf")
-    ax.plot(xs, [min(x * data["bandwidth"], peak) for x in xs], color="black",
-            label=f"copy bandwidth {data['bandwidth'] / 1e9:.0f} GB/s"
-                  + (f", GEMM {peak / 1e9:.0f} GFLOP/s" if data["peak_flops"] else ""))
+    bandwidth = statistics.median(data["bandwidths"])
+    peak = statistics.median(data["peaks"]) if data["peaks"] else float("inf")
+    ax.plot(xs, [min(x * bandwidth, peak) for x in xs], color="black",
+            label=f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+                  + (f", GEMM {peak / 1e9:.0f} GFLOP/s" if data["peaks"] else "")
+                  + " (medians of the run)")
     markers = dict(zip([*data["configs"], "llama.cpp"], "osD^vXP*", strict=False))
     for label in markers:
         mine = [(b, p) for name, b, p in points if name == label]
@@ -407,12 +419,14 @@ def main() -> None:
         stored = stored_model(args.quick)
         configs = {label: (stored if c[0] else float_model, c) for label, c in
                    CPU_CONFIGS.items()}
-        bandwidth, peak = copy_bandwidth(), gemm_rate(split=True)
+        def ceilings() -> tuple[float, float]:
+            return copy_bandwidth(), gemm_rate(split=True)
         where = "CPU, every core"
     else:  # the model as the engine loads it for the GPU, its kernels the Metal ones
         model = stored_model(args.quick) if args.quick else load(None)[0]
         configs = {GPU_CONFIG: (model, (True, True, False))}
-        bandwidth, peak = gpu_copy_bandwidth(), 0.0
+        def ceilings() -> tuple[float, float]:
+            return gpu_copy_bandwidth(), 0.0
         where = ("GPU rehearsal: the GPU's configuration run on the CPU, not a GPU's times"
                  if device == "gpu rehearsal" else "GPU (unified memory)")
     prompts = {1: 32, 4: 16} if args.quick else {1: 512, 8: 256, 32: 128}
@@ -421,8 +435,8 @@ def main() -> None:
     data: dict[str, Any] = {
         "model": model_name, "where": where, "device": device, "configs": list(configs),
         "batches": list(prompts), "prompts": {str(b): p for b, p in prompts.items()},
-        "steps": args.steps, "rounds": args.rounds, "bandwidth": bandwidth,
-        "peak_flops": peak, "cores": os.cpu_count(), "matmul_weights": weights, "volumes": {}}
+        "steps": args.steps, "rounds": args.rounds, "bandwidths": [], "peaks": [],
+        "cores": os.cpu_count(), "matmul_weights": weights, "volumes": {}}
     model_bytes = {label: decode_bytes_per_token(dict(tree_flatten(m.parameters())),
                                                  c.vocab_size, c.tie_word_embeddings)
                    for label, (m, _) in configs.items()}
@@ -434,20 +448,30 @@ def main() -> None:
     t0 = time.perf_counter()
     for r in range(args.rounds):
         measured: list[dict[str, Any]] = []
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # rotated
+        for label in [*labels[r % len(labels):], *labels[:r % len(labels)], "llama.cpp"]:
+            if label == "llama.cpp" and not args.llama_bench:
+                continue
+            # The ceilings just before the runs they bound: the machine's speed may drift.
+            bandwidth, peak = ceilings()
+            data["bandwidths"].append(bandwidth)
+            if peak:
+                data["peaks"].append(peak)
+            ceiling = {"bandwidth": bandwidth, "peak_flops": peak}
+            if label == "llama.cpp":
+                measured += [{**m, **ceiling} for m in
+                             llama_steps(args.llama_bench, default_model_path(), data)]
+                continue
             model, config = configs[label]
             for batch, prompt in prompts.items():
                 capture = (args.metal_capture if batch == 1 and r == args.rounds - 1
                            else None)
                 out = run_batch(model, tokenizer, config, batch, prompt, args.steps, seed=r,
                                 kernel_clocks=device == "cpu", capture=capture)
-                measured.append({"key": f"{label}|{batch}", **out["decode"]})
+                measured.append({"key": f"{label}|{batch}", **out["decode"], **ceiling})
                 if batch == 1:
-                    measured.append({"key": f"{label}|prefill", **out["prefill"]})
+                    measured.append({"key": f"{label}|prefill", **out["prefill"], **ceiling})
                 print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {label}, batch "
                       f"{batch}: {out['decode']['wall'] * 1e3:.2f} ms a decode step", flush=True)
-        if args.llama_bench:
-            measured += llama_steps(args.llama_bench, default_model_path(), data)
         per_round.append(measured)
     res: dict[str, Any] = {}
     for key in dict.fromkeys(m["key"] for rnd in per_round for m in rnd):
