@@ -30,12 +30,13 @@ looked up, and the K/V of every request's context in float32, once: a prompt's r
 theirs) at the copy bandwidth (a 256 MB numpy copy, bytes read + written), and the step's
 flops (2 per matmul weight per row, and attention's 4 per key per query head and
 dimension). The ceilings are measured in every round just before each configuration's
-runs, and each step is held to its own: a shared machine's speed drifts within minutes.
+runs, and the highest of the run bounds every step: a shared machine's speed drifts within
+minutes, and a ceiling caught at a slow moment would put a step above its bound.
 The projections' time against the weights' bytes at that bandwidth and attention's against
 its K/V bytes say how far each is from streaming its bytes. The roofline figure places
 each (configuration, batch) by its arithmetic intensity (flops / bytes) and attained flop
-rate, under the ceilings (their medians over the run): the copy bandwidth and the float32
-GEMM rate of OpenBLAS split over every core (a 1024^3 product).
+rate, under those ceilings: the copy bandwidth and the float32 GEMM rate of OpenBLAS split
+over every core (a 1024^3 product).
 
 llama.cpp on the same GGUF goes on the same figure where it is built
 (``--llama-bench PATH``; ``llama-batched-bench`` is taken from the same folder; see
@@ -239,13 +240,13 @@ def account_rows(res: dict[str, Any], data: dict[str, Any]) -> list[list[Any]]:
             if key not in res:
                 continue
             r, v = res[key], data["volumes"][key]
-            bound = (v["weight_bytes"] + v["kv_bytes"]) / r["bandwidth"]
+            bound = (v["weight_bytes"] + v["kv_bytes"]) / data["bandwidth"]
             step = r["wall"]
             rows.append([label, batch if batch != "prefill" else f"prefill {data['prompts']['1']}",
                          step * 1e3, bound * 1e3, bound / step,
                          *[r[p] * 1e3 for p in PHASES],
-                         v["weight_bytes"] / r["bandwidth"] * 1e3,
-                         v["kv_bytes"] / r["bandwidth"] * 1e3])
+                         v["weight_bytes"] / data["bandwidth"] * 1e3,
+                         v["kv_bytes"] / data["bandwidth"] * 1e3])
     return rows
 
 
@@ -261,8 +262,9 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
               f"{', '.join(f'{p} tokens at batch {b}' for b, p in data['prompts'].items())}; "
               f"the decode step of median time of {data['steps']}; prefill: batch 1's prompt "
               "as one step. Bound: the step's weight bytes and the K/V bytes its rows attend "
-              "over, at the copy bandwidth measured just before the configuration's runs of "
-              f"the same round (over the run: {spread_words(data['bandwidths'], 1e9)} GB/s); "
+              f"over, at the highest copy bandwidth of the run ({data['bandwidth'] / 1e9:.1f} "
+              "GB/s; measured before each configuration's runs in every round: "
+              f"{spread_words(data['bandwidths'], 1e9)}); "
               "of bound: bound / step. Phases: Python's scheduler, sampler and the rest of "
               "the step; the graph built in Python; evaluation split by the extension's "
               "kernel clocks (wall time on MLX's stream thread, each kernel's own; thread "
@@ -276,12 +278,11 @@ def make_tables(res: dict[str, Any], data: dict[str, Any]) -> list[Table]:
                  "of GEMM peak"],
         rows=roofline_rows(res, data),
         formats=["", "", ".1f", ".1f", ".0%", ".1f", ".0%"],
-        note=("Each step's bytes and flops (as above) over its time, against the ceilings "
-              "measured just before its configuration's runs of the same round: the copy "
-              f"bandwidth ({spread_words(data['bandwidths'], 1e9)} GB/s over the run)"
+        note=("Each step's bytes and flops (as above) over its time, against the highest "
+              f"ceilings of the run: the copy bandwidth ({data['bandwidth'] / 1e9:.1f} GB/s)"
               + (" and the float32 GEMM rate (a 1024^3 product, OpenBLAS split over every "
-                 f"core: {spread_words(data['peaks'], 1e9)} GFLOP/s). " if data["peaks"]
-                 else ". ")
+                 f"core: {data['peak_flops'] / 1e9:.0f} GFLOP/s; measured "
+                 f"{spread_words(data['peaks'], 1e9)}). " if data["peaks"] else ". ")
               + "llama.cpp: tokens per second of its generation after the same context, "
               "its bytes those of the file and of its float16 K/V."))
     tables = [account, roof]
@@ -299,14 +300,14 @@ def roofline_points(res: dict[str, Any], data: dict[str, Any]) -> list[tuple[str
         nbytes = v["weight_bytes"] + v["kv_bytes"]
         points.append((label, int(batch) if batch.isdigit() else batch,
                        {"intensity": v["flops"] / nbytes, "bytes_s": nbytes / r["wall"],
-                        "flops_s": v["flops"] / r["wall"], "bandwidth": r["bandwidth"],
-                        "peak_flops": r["peak_flops"]}))
+                        "flops_s": v["flops"] / r["wall"]}))
     return points
 
 
 def roofline_rows(res: dict[str, Any], data: dict[str, Any]) -> list[list[Any]]:
-    return [[label, batch, p["intensity"], p["bytes_s"] / 1e9, p["bytes_s"] / p["bandwidth"],
-             p["flops_s"] / 1e9, p["flops_s"] / p["peak_flops"] if p["peak_flops"] else None]
+    peak = data["peak_flops"]
+    return [[label, batch, p["intensity"], p["bytes_s"] / 1e9, p["bytes_s"] / data["bandwidth"],
+             p["flops_s"] / 1e9, p["flops_s"] / peak if peak else None]
             for label, batch, p in roofline_points(res, data)]
 
 
@@ -320,7 +321,7 @@ def goals(res: dict[str, Any], data: dict[str, Any]) -> Table:
     key = "as stored, fused|1"
     stored, llama = res[key], res["llama.cpp|1"]
     v = data["volumes"][key]
-    of_bound = (v["weight_bytes"] + v["kv_bytes"]) / stored["bandwidth"] / stored["wall"]
+    of_bound = (v["weight_bytes"] + v["kv_bytes"]) / data["bandwidth"] / stored["wall"]
     ratio = llama["wall"] / stored["wall"]
     return goals_table("One request's decode with the weights as stored", [
         ("at 60% of the memory-bandwidth bound or more", f"{of_bound:.0%}", of_bound >= 0.6),
@@ -340,12 +341,11 @@ def make_figure(res: dict[str, Any], data: dict[str, Any]) -> Any:
     lo = min(p["intensity"] for _, _, p in points) / 2
     hi = max(p["intensity"] for _, _, p in points) * 2
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-    bandwidth = statistics.median(data["bandwidths"])
-    peak = statistics.median(data["peaks"]) if data["peaks"] else float("inf")
-    ax.plot(xs, [min(x * bandwidth, peak) for x in xs], color="black",
-            label=f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
-                  + (f", GEMM {peak / 1e9:.0f} GFLOP/s" if data["peaks"] else "")
-                  + " (medians of the run)")
+    peak = data["peak_flops"] or float("inf")
+    ax.plot(xs, [min(x * data["bandwidth"], peak) for x in xs], color="black",
+            label=f"copy bandwidth {data['bandwidth'] / 1e9:.0f} GB/s"
+                  + (f", GEMM {peak / 1e9:.0f} GFLOP/s" if data["peak_flops"] else "")
+                  + " (the run's highest)")
     markers = dict(zip([*data["configs"], "llama.cpp"], "osD^vXP*", strict=False))
     for label in markers:
         mine = [(b, p) for name, b, p in points if name == label]
@@ -456,10 +456,8 @@ def main() -> None:
             data["bandwidths"].append(bandwidth)
             if peak:
                 data["peaks"].append(peak)
-            ceiling = {"bandwidth": bandwidth, "peak_flops": peak}
             if label == "llama.cpp":
-                measured += [{**m, **ceiling} for m in
-                             llama_steps(args.llama_bench, default_model_path(), data)]
+                measured += llama_steps(args.llama_bench, default_model_path(), data)
                 continue
             model, config = configs[label]
             for batch, prompt in prompts.items():
@@ -467,9 +465,9 @@ def main() -> None:
                            else None)
                 out = run_batch(model, tokenizer, config, batch, prompt, args.steps, seed=r,
                                 kernel_clocks=device == "cpu", capture=capture)
-                measured.append({"key": f"{label}|{batch}", **out["decode"], **ceiling})
+                measured.append({"key": f"{label}|{batch}", **out["decode"]})
                 if batch == 1:
-                    measured.append({"key": f"{label}|prefill", **out["prefill"], **ceiling})
+                    measured.append({"key": f"{label}|prefill", **out["prefill"]})
                 print(f"[{time.perf_counter() - t0:5.0f}s] round {r + 1}: {label}, batch "
                       f"{batch}: {out['decode']['wall'] * 1e3:.2f} ms a decode step", flush=True)
         per_round.append(measured)
@@ -486,6 +484,8 @@ def main() -> None:
         data["volumes"][key] = step_volume(model_bytes[label], weights, c, rows, r["keys"],
                                            kv_tokens, 2 if label == "llama.cpp" else 4)
     data["results"] = res
+    data["bandwidth"] = max(data["bandwidths"])
+    data["peak_flops"] = max(data["peaks"], default=0.0)
     data["wall_s"] = time.perf_counter() - t0
     save_results(NAME + ("_quick" if args.quick else ""), data, make_tables(res, data),
                  make_figure(res, data), rounds=args.rounds)
