@@ -63,13 +63,19 @@ void quantized_linear_cpu(const float* x, const std::vector<QuantizedPart>& part
   // evening out: a part's are of one size, and their number a multiple of the pool's
   // threads (else one thread takes the odd item alone while the others wait: with float16
   // scales the default model's gate and up would come to five items each).
+  // With float activations a weight row costs unpacking for each row of x: from 16 rows of
+  // x on, a part's items are split further (by rows of x / 8), so that the last items of a
+  // job are short and a thread that runs slower than the other (a busy neighbour on its
+  // core) does not leave it waiting at the end of every job.
   const int64_t block_rows = 64;
   const int64_t m_blocks = (M + block_rows - 1) / block_rows;
+  const int64_t split = int8 ? 1 : std::max<int64_t>(1, std::min(M, block_rows) / 8);
   std::vector<int64_t> first{0}, item_rows;
   int64_t weight_rows = 0;
   for (const auto& part : parts) {
     const int64_t row_cost = row_bytes + 2 * groups * scale_bytes(part.scale_type);
-    const int64_t items = even_items(part.N, std::max<int64_t>(1, part.N * row_cost / 131072));
+    const int64_t items =
+        even_items(part.N, std::max<int64_t>(1, part.N * row_cost / 131072) * split);
     item_rows.push_back(std::max<int64_t>(1, (part.N + items - 1) / items));  // N may be 0
     first.push_back(first.back() + m_blocks * ((part.N + item_rows.back() - 1) / item_rows.back()));
     weight_rows += part.N;
