@@ -87,6 +87,8 @@ def quick(request, tmp_path_factory):
     names = [p["name"] for p in selected_params(request, test_the_benchmark_runs_quick)]
     if selected_params(request, test_without_llama_bench_its_columns_are_skipped_with_the_reason):
         names.append("bench_vs_llama_cpp")
+    if selected_params(request, test_the_roofline_accounts_for_every_millisecond):
+        names = list(dict.fromkeys([*names, "bench_roofline"]))
     for name in names:
         book_copy = ROOT / "benchmark_results" / f"{name}_quick.json"
         before = book_copy.stat().st_mtime_ns if book_copy.exists() else None
@@ -117,6 +119,7 @@ def test_without_llama_bench_its_columns_are_skipped_with_the_reason(quick: Ahea
     assert [row[1] for row in batched["rows"]] == [4, 4, 4]  # float32, as stored, int8
 
 
+@pytest.mark.device_independent  # the CPU's account; the GPU's is the rehearsal's test below
 def test_the_roofline_accounts_for_every_millisecond(quick: Ahead):
     """Each step's phases add up to its wall time, every configuration and batch is there,
     and llama.cpp, not built here, is left out with the reason."""
