@@ -359,7 +359,7 @@ def test_the_kernel_clocks_count_each_phase_of_a_step_once(smollm_tokenizer):
     assert ext.profile_totals() == totals
 
 
-def test_the_pools_helper_threads_do_not_count(monkeypatch):
+def test_the_pools_helper_threads_do_not_count():
     """A product spread over the pool: the clocks count the calling thread's wall time, not
     the cores' time (with both threads counted, the projections would take about twice the
     wall time)."""
