@@ -168,6 +168,8 @@ def main() -> None:
         rows |= {name: row for name, row in earlier.items() if name in rows}
         here = machine.rows[0][1]
         machine = Table(**{k: edition["tables"][0][k] for k in ("title", "headers", "rows")})
+        # A script added again takes the machine of its new run.
+        added_on = {n: m for n, m in added_on.items() if n not in (args.add or [])}
         if args.add and here != machine.rows[0][1]:
             added_on |= dict.fromkeys(args.add, here)
     for name in chosen or names:
