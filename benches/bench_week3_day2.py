@@ -22,7 +22,11 @@ different workloads: never compare tok/s across them).
    prefill steps; inter-token latency (ITL) p50/p99 and the max decode gap over the gaps
    between consecutive tokens that end while the long request is in the system (from its
    arrival to its last token); output tok/s (all tokens / wall time of the run); long TTFT
-   and max decode gap relative to "unlimited" (median of per-round ratios).
+   and max decode gap relative to "unlimited" (median of per-round ratios); and the
+   attention scores the long prompt's steps computed, relative to one step's: the dense
+   path multiplies a step's T rows by all S keys of the sequence and masks the product
+   (``causal_attention``), so a chunk of ``c`` rows ending at position ``e`` computes
+   ``c × e`` scores per head and layer, and the whole prompt in one step ``n × n``.
 
 2. **Fairness between prompts.** 4 decoders run (prompts 16-48 tokens); once each has 4
    tokens, a burst arrives at once, in this order: a long prompt (``--fair-long-tokens``,
@@ -105,11 +109,12 @@ def decoder_prompts(rng: random.Random, n: int) -> list[list[int]]:
 def run_engine(model, tokenizer, budget: int | None, threshold: int | None,
                decoders: list[list[int]], decoder_tokens: int,
                burst: list[tuple[list[int], int]]) -> tuple[Recorder, list[str], list[str],
-                                                            dict[str, int]]:
+                                                            dict[str, int], dict[str, int]]:
     """Start the decoders; once each has ``WARM_TOKENS`` tokens add the ``burst`` (prompt,
     max_tokens) at once; step until every request has finished. Returns the recorder, the
-    decoders' and the burst's ids, and per burst request the steps from its arrival to its
-    first token."""
+    decoders' and the burst's ids, per burst request the steps from its arrival to its
+    first token, and per request the attention scores (per head and layer) its prompt's
+    chunks computed."""
     engine = LLMEngine(
         model,
         tokenizer,
@@ -120,6 +125,7 @@ def run_engine(model, tokenizer, budget: int | None, threshold: int | None,
         scheduler="continuous",
         kv_cache="dense",
     )
+    prompt_scores = count_prompt_scores(engine)
     rec = Recorder(engine)
     dec_ids = [rec.add(p, greedy(decoder_tokens)) for p in decoders]
     burst_ids: list[str] = []
@@ -136,7 +142,26 @@ def run_engine(model, tokenizer, budget: int | None, threshold: int | None,
             arrival_step = steps
     if not burst_ids:
         raise RuntimeError("the decoders finished before the burst arrived")
-    return rec, dec_ids, burst_ids, prefill_steps
+    return rec, dec_ids, burst_ids, prefill_steps, prompt_scores
+
+
+def count_prompt_scores(engine: LLMEngine) -> dict[str, int]:
+    """Count, per request, the scores its prompt's chunks compute in the dense path: rows
+    × every key up to the chunk's end (the product is computed whole, then masked). Reads
+    the chunks each step hands the model runner."""
+    scores: dict[str, int] = {}
+    execute = engine.core.runner.execute
+
+    def counting_execute(chunks, verify):
+        for c in chunks:
+            prompt_rows = min(c.end, len(c.request.prompt_token_ids)) - c.start
+            if prompt_rows > 0:
+                rid = c.request.request_id
+                scores[rid] = scores.get(rid, 0) + prompt_rows * c.end
+        return execute(chunks, verify)
+
+    engine.core.runner.execute = counting_execute
+    return scores
 
 
 def gaps_between(rec: Recorder, rids: list[str], lo: float, hi: float) -> list[float]:
@@ -150,7 +175,7 @@ def gaps_between(rec: Recorder, rids: list[str], lo: float, hi: float) -> list[f
 
 
 def run_budget(model, tokenizer, budget, decoders, decoder_tokens, long_prompt) -> dict[str, Any]:
-    rec, dec_ids, (long_id,), prefill_steps = run_engine(
+    rec, dec_ids, (long_id,), prefill_steps, prompt_scores = run_engine(
         model, tokenizer, budget, None, decoders, decoder_tokens, [(long_prompt, LONG_OUTPUT)])
     t_long, t_end = rec.arrival[long_id], rec.finish[long_id]
     if any(rec.finish[r] < t_end for r in dec_ids):
@@ -163,6 +188,7 @@ def run_budget(model, tokenizer, budget, decoders, decoder_tokens, long_prompt) 
         "ttft_p99_s": percentile(ttft, 99),
         "long_ttft_s": first - t_long,
         "long_prefill_steps": prefill_steps[long_id],
+        "long_scores_vs_one_step": prompt_scores[long_id] / len(long_prompt) ** 2,
         "itl_p50_s": percentile(gaps, 50),
         "itl_p99_s": percentile(gaps, 99),
         "max_decode_gap_s": max(gaps),
@@ -178,7 +204,7 @@ def run_budget(model, tokenizer, budget, decoders, decoder_tokens, long_prompt) 
 
 def run_fair(model, tokenizer, budget, threshold, decoders, decoder_tokens,
              burst) -> dict[str, Any]:
-    rec, dec_ids, burst_ids, _ = run_engine(
+    rec, dec_ids, burst_ids, _, _ = run_engine(
         model, tokenizer, budget, fair_threshold(budget) if threshold else None, decoders,
         decoder_tokens, [(p, FAIR_OUTPUT) for p, _ in burst])
     longs = [r for r, (_, kind) in zip(burst_ids, burst, strict=True) if kind == "long"]
@@ -337,8 +363,9 @@ def main() -> None:
         s = summary[label(b)]
         rows.append([
             label(b), s["ttft_p50_s"], s["ttft_p99_s"], s["long_ttft_s"],
-            s["long_prefill_steps"], s["itl_p50_s"], s["itl_p99_s"], s["max_decode_gap_s"],
-            s["tok_per_s"], vs_unlimited(b, "long_ttft_s"), vs_unlimited(b, "max_decode_gap_s"),
+            s["long_prefill_steps"], s["long_scores_vs_one_step"], s["itl_p50_s"],
+            s["itl_p99_s"], s["max_decode_gap_s"], s["tok_per_s"],
+            vs_unlimited(b, "long_ttft_s"), vs_unlimited(b, "max_decode_gap_s"),
         ])
     fair_rows = []
     for b in FAIR_BUDGETS:
@@ -357,10 +384,10 @@ def main() -> None:
             f"1. Prefill budget sweep: a {long_tokens}-token prompt arrives while "
             f"{NUM_DECODERS} requests decode, {model_name}",
             ["budget", "TTFT p50 (s)", "TTFT p99 (s)", "long TTFT (s)", "long prefill steps",
-             "ITL p50 (s)", "ITL p99 (s)", "max decode gap (s)", "output tok/s",
-             "long TTFT vs unlimited", "max gap vs unlimited"],
+             "long scores vs one step", "ITL p50 (s)", "ITL p99 (s)", "max decode gap (s)",
+             "output tok/s", "long TTFT vs unlimited", "max gap vs unlimited"],
             rows,
-            ["", ".2f", ".2f", ".2f", ".0f", ".3f", ".3f", ".2f", ".1f", ".2f", ".2f"],
+            ["", ".2f", ".2f", ".2f", ".0f", ".2f", ".3f", ".3f", ".2f", ".1f", ".2f", ".2f"],
             note=(
                 f"max_num_seqs={MAX_NUM_SEQS}, dense KV, continuous scheduler; decoders' "
                 f"prompts 16-48 tokens, {decoder_tokens} tokens each; the long request "

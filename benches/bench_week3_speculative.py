@@ -17,11 +17,14 @@ Measurements, each configuration once per round, rounds interleaved, median and 
    a draft model at k = 4 (the target's first 8 of its 30 layers, with its own norm and
    vocabulary projection: a draft with the same tokenizer that needs no second download);
    the drafts kept per verification step (mean and distribution).
-2. **Batch size** 1, 2, 4, 8, 16 (copies of the repetitive prompts, all arriving at once):
-   output tok/s with speculation off, prompt lookup forced on at every batch size
-   (``speculative_max_batch`` above the batch), and prompt lookup with the default policy
-   (drafts only while at most ``speculative_max_batch`` requests run). The ratio against
-   off is what the default policy was chosen from.
+2. **Batch size** 1, 2, 4, 8, 16 (the repetitive prompts, all arriving at once, taken in
+   turn; at batch 1 each prompt alone and the mean, as in 1): output tok/s with speculation
+   off and with prompt lookup at k = 4 on at every batch size (``speculative_max_batch``
+   above the batch); the ratio per round, its median and range. The default policy drafts
+   while at most ``speculative_max_batch`` requests run: at each batch it is one of the two
+   configurations measured, and the table names which. Where the ratio's range straddles 1
+   the two are not told apart by this run; ``speculative_max_batch`` is chosen from this
+   table.
 3. **Trees against chains** of as many drafts (4 and 8), with prompt lookup and with the
    draft model, per workload, at batch 1 (each prompt alone) and 8: output tok/s, the
    acceptance length (tokens emitted
@@ -133,8 +136,8 @@ def main() -> None:
     default_max = EngineConfig().speculative_max_batch
     by_batch = {
         "off": {},
-        "ngram, always": dict(speculative="ngram", speculative_max_batch=max(BATCHES)),
-        "ngram, default policy": dict(speculative="ngram"),
+        "ngram": dict(speculative="ngram", num_speculative_tokens=4,
+                      speculative_max_batch=max(BATCHES)),
     }
     proposers = {"ngram": dict(speculative="ngram"),
                  "draft": dict(speculative="draft", draft_model=draft)}
@@ -151,11 +154,14 @@ def main() -> None:
                 for i, prompt in enumerate(prompts):
                     runs.setdefault(f"b1|{workload}|{name}|{i}", []).append(
                         serve(model, tokenizer, [prompt], max_tokens, **batch1[name]))
+        repetitive = chats["repetitive"]
         for b in BATCHES:
-            prompts = [chats["repetitive"][i % 2] for i in range(b)]
+            batches = [[p] for p in repetitive] if b == 1 else \
+                [[repetitive[i % len(repetitive)] for i in range(b)]]
             for name in (list(by_batch) if r % 2 == 0 else list(by_batch)[::-1]):
-                runs.setdefault(f"batch|{b}|{name}", []).append(
-                    serve(model, tokenizer, prompts, max_tokens, **by_batch[name]))
+                for i, batch in enumerate(batches):
+                    runs.setdefault(f"batch|{b}|{name}|{i}", []).append(
+                        serve(model, tokenizer, batch, max_tokens, **by_batch[name]))
         for workload, prompts in chats.items():
             for b in TREE_BATCHES:
                 batches = [[p] for p in prompts] if b == 1 else \
@@ -199,16 +205,15 @@ def main() -> None:
                           "yes" if identical else "NO"])
     rows2, data2 = [], {}
     for b in BATCHES:
-        base = [x["tok_per_s"] for x in runs[f"batch|{b}|off"]]
-        row = [b, statistics.median(base)]
-        for name in list(by_batch)[1:]:
-            tps = [x["tok_per_s"] for x in runs[f"batch|{b}|{name}"]]
-            ratio = [a / c for a, c in zip(tps, base, strict=True)]
-            data2[f"{b}|{name}"] = {"tok_per_s": spread(tps), "ratio": spread(ratio)}
-            row += [statistics.median(tps), statistics.median(ratio)]
-        row.append("yes" if all(same(f"batch|{b}|{n}", f"batch|{b}|off")
-                                for n in list(by_batch)[1:]) else "NO")
-        rows2.append(row)
+        n = len(chats["repetitive"]) if b == 1 else 1
+        base = mean_tok_per_s(runs, f"batch|{b}|off|", args.rounds)
+        tps = mean_tok_per_s(runs, f"batch|{b}|ngram|", args.rounds)
+        ratio = [a / c for a, c in zip(tps, base, strict=True)]
+        data2[f"{b}|ngram"] = {"tok_per_s": spread(tps), "ratio": spread(ratio)}
+        identical = all(same(f"batch|{b}|ngram|{i}", f"batch|{b}|off|{i}") for i in range(n))
+        rows2.append([b, statistics.median(base), statistics.median(tps),
+                      statistics.median(ratio), min(ratio), max(ratio),
+                      "ngram" if b <= default_max else "off", "yes" if identical else "NO"])
     rows3, data3 = tree_rows(runs, chats, trees, args.rounds)
     tables = [
         Table("1. Batch 1: output tok/s (prefill included) and drafts kept",
@@ -220,10 +225,14 @@ def main() -> None:
               f"draft: the target's first {draft_layers} of its "
               f"{model.config.num_hidden_layers} layers."),
         Table("2. Output tok/s against batch size (repetitive prompts, all at once)",
-              ["batch", "off", "ngram always", "× off", "ngram, default policy", "× off",
-               "same tokens"],
-              rows2, ["", ".1f", ".1f", ".2f", ".1f", ".2f", ""],
-              f"k = 4; the default policy drafts while at most {default_max} requests run."),
+              ["batch", "off", "ngram", "× off", "× off, min", "× off, max",
+               "default policy", "same tokens"],
+              rows2, ["", ".1f", ".1f", ".2f", ".2f", ".2f", "", ""],
+              "Prompt lookup at k = 4, on at every batch size; × off: the ratio within each "
+              "round, its median, min and max over rounds; batch 1: each prompt alone, the "
+              "mean (as in table 1). Default policy: what the engine runs at that batch "
+              f"(prompt lookup while at most speculative_max_batch = {default_max} requests "
+              "run), one of the two columns measured."),
         Table("3. Trees against chains of as many drafts (prompt lookup and the draft "
               "model): tokens per verifying forward, measured and predicted",
               ["workload", "batch", "proposer, drafts", "tok/s", "× off", "tokens / forward",
@@ -250,10 +259,10 @@ def tree_rows(runs: dict[str, list[dict]], chats: dict[str, list], trees: dict[s
     rows, data = [], {}
     for workload in chats:
         for b in TREE_BATCHES:
-            off = tree_tok_per_s(runs, f"tree|{workload}|{b}|off|", rounds)
+            off = mean_tok_per_s(runs, f"tree|{workload}|{b}|off|", rounds)
             for name in list(trees)[1:]:
                 prefix = f"tree|{workload}|{b}|{name}|"
-                tps = tree_tok_per_s(runs, prefix, rounds)
+                tps = mean_tok_per_s(runs, prefix, rounds)
                 ratio = statistics.median(a / o for a, o in zip(tps, off, strict=True))
                 keys = [k for k in runs if k.startswith(prefix)]
                 acceptance = tree_acceptance([runs[k][0]["stats"] for k in keys])
@@ -274,7 +283,7 @@ def tree_rows(runs: dict[str, list[dict]], chats: dict[str, list], trees: dict[s
     return rows, data
 
 
-def tree_tok_per_s(runs: dict[str, list[dict]], prefix: str, rounds: int) -> list[float]:
+def mean_tok_per_s(runs: dict[str, list[dict]], prefix: str, rounds: int) -> list[float]:
     """Per round, the mean output tok/s of the runs under ``prefix``."""
     keys = [k for k in runs if k.startswith(prefix)]
     return [statistics.mean(runs[k][r]["tok_per_s"] for k in keys) for r in range(rounds)]
@@ -320,8 +329,9 @@ def plot(rows2: list[list], default_max: int):
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     batches = [r[0] for r in rows2]
-    ax.plot(batches, [r[3] for r in rows2], "o-", label="prompt lookup, always")
-    ax.plot(batches, [r[5] for r in rows2], "s--", label="prompt lookup, default policy")
+    ax.errorbar(batches, [r[3] for r in rows2],
+                yerr=[[r[3] - r[4] for r in rows2], [r[5] - r[3] for r in rows2]],
+                fmt="o-", capsize=3, label="prompt lookup, k = 4 (median, min-max of rounds)")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axvline(default_max, color="gray", ls=":", lw=0.8)
     ax.set_xscale("log", base=2)

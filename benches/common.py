@@ -539,16 +539,29 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append(f"<!-- ANCHOR_END: table{i} -->")
         parts.append("\n".join(lines))
     env = result["environment"]
+    # What reproduces the table: the command, its rounds and its commit. The machine is
+    # described once, in the edition's table; the JSON keeps the rest of the environment.
     parts.append(
-        f"<small>Measured {env['date']} on {env['platform']}, {env['cpu_count']} CPUs "
-        f"(load average {env['load_avg_1m']}), mlx {env['mlx_version']} "
-        f"{_device_words(env)}, "
-        f"commit {env['git_commit']}{' (modified)' if env['git_dirty'] else ''}; "
-        f"median of {result.get('rounds', 1)} rounds"
-        f"{' (a long run)' if result.get('long') else ''}; "
-        f"`{env['command']}`.</small>"
+        f"<small>`{reproducing_command(env['command'])}` at commit {env['git_commit']}"
+        f"{' (modified)' if env['git_dirty'] else ''}, median of {result.get('rounds', 1)} "
+        f"rounds{' (a long run)' if result.get('long') else ''}, mlx {env['mlx_version']} "
+        f"{_device_words(env)}.</small>"
     )
     return "\n\n".join(parts) + "\n"
+
+
+def reproducing_command(command: str) -> str:
+    """A recorded command as a reader types it in the repository: ``python`` and paths
+    relative to it (a program outside it, such as llama.cpp's, by its file name)."""
+    shown = ["python"]
+    for word in command.split()[1:]:
+        path = Path(word)
+        if path.is_absolute() and path.is_relative_to(REPO_ROOT):
+            word = str(path.relative_to(REPO_ROOT))
+        elif path.is_absolute() and path.is_file() and os.access(path, os.X_OK):
+            word = path.name
+        shown.append(word)
+    return " ".join(shown)
 
 
 def _device_words(env: dict[str, Any]) -> str:

@@ -28,6 +28,11 @@ configurations it measured itself, side by side, so they stand on their own engi
 edition's table names it and its commit, and its machine where that is not the edition's
 (its ratios stand on their own machine too; its absolute numbers are that machine's).
 ``bench_roofline`` places llama.cpp beside the engine where ``--llama-bench`` is given.
+
+Other work on the machine skews a script's numbers, so the 1-minute load average is
+sampled while each script runs; a script whose median load is above ``LOAD_LIMIT`` (the
+cores, plus one: more runnable threads than the script's own) runs again, once, and the
+table records the load of the run it keeps.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +56,8 @@ from book_results import cited_results  # noqa: E402
 NEEDS_LLAMA_BENCH = "bench_vs_llama_cpp"
 TAKES_LLAMA_BENCH = "bench_roofline"  # runs without it, its llama.cpp points left out
 # Linux /proc/cpuinfo flags (x86 "flags", Arm "Features") that decide which kernels run.
+LOAD_LIMIT = (os.cpu_count() or 1) + 1
+LOAD_SAMPLE_S = 10
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
 
@@ -88,19 +97,47 @@ def tree_is_clean() -> bool:
 
 
 def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]:
-    """Run ``benches/<name>.py``; (name, seconds, outcome) for the edition's table."""
+    """Run ``benches/<name>.py``, again once if the machine was busy; (name, seconds,
+    outcome, median load, max load) for the edition's table."""
     command = [sys.executable, str(REPO_ROOT / "benches" / f"{name}.py"), "--rounds", str(rounds)]
     if name == NEEDS_LLAMA_BENCH and llama_bench is None:
-        return [name, None, "not run (no --llama-bench): its own machine and commit"]
+        return [name, None, "not run (no --llama-bench): its own machine and commit", None, None]
     if name in (NEEDS_LLAMA_BENCH, TAKES_LLAMA_BENCH) and llama_bench is not None:
         command += ["--llama-bench", str(llama_bench)]
-    print(f"edition: {' '.join(command[1:])}", flush=True)
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO_ROOT)
-    seconds = time.perf_counter() - start
-    if done.returncode == NOT_THIS_MACHINE:
-        return [name, seconds, "not this machine's (the Linux CPU path): its own edition"]
-    return [name, seconds, "measured" if done.returncode == 0 else f"failed ({done.returncode})"]
+    for attempt in (1, 2):
+        print(f"edition: {' '.join(command[1:])}", flush=True)
+        start = time.perf_counter()
+        returncode, loads = run_sampling_load(command)
+        seconds = time.perf_counter() - start
+        load = statistics.median(loads)
+        if returncode != 0 or load <= LOAD_LIMIT or attempt == 2:
+            break
+        print(f"edition: {name} ran at load {load:.1f} (limit {LOAD_LIMIT}): again", flush=True)
+    if returncode == NOT_THIS_MACHINE:
+        outcome = "not this machine's (the Linux CPU path): its own edition"
+    else:
+        outcome = "measured" if returncode == 0 else f"failed ({returncode})"
+    if attempt == 2:
+        outcome += ", second run" + (" (still above the load limit)" if load > LOAD_LIMIT else "")
+    return [name, seconds, outcome, load, max(loads)]
+
+
+def run_sampling_load(command: list[str]) -> tuple[int, list[float]]:
+    """Run ``command``; its return code and the 1-minute load average every
+    ``LOAD_SAMPLE_S`` seconds while it ran (at least one sample, taken at its end)."""
+    loads: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(LOAD_SAMPLE_S):
+            loads.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
+    done.set()
+    sampler.join()
+    return returncode, loads or [os.getloadavg()[0]]
 
 
 def git(*args: str) -> subprocess.CompletedProcess:
@@ -152,7 +189,7 @@ def main() -> None:
         raise SystemExit("the tree has changes: commit or stash them, an edition is one commit")
     machine = machine_table()
     commit = environment()["git_commit"]
-    rows = {name: [name, None, "not run", commit] for name in names}
+    rows = {name: [name, None, "not run", None, None, commit] for name in names}
     engine_commit, added, added_on = commit, {}, {}
     if chosen:
         edition = earlier_edition(machine, same_engine=bool(args.only))
@@ -160,6 +197,9 @@ def main() -> None:
         added = edition["data"].get("added", {})
         added_on = edition["data"].get("added_on", {})
         earlier = {row[0]: row for row in edition["tables"][1]["rows"]}
+        # An edition from before the load was recorded: its scripts' loads are unknown.
+        earlier = {n: row if len(row) == 6 else [*row[:3], None, None, row[3]]
+                   for n, row in earlier.items()}
         if args.add:
             ran = sorted(n for n in args.add if n in earlier and n not in added)
             if ran:
@@ -184,8 +224,11 @@ def main() -> None:
                  + (" and, where named, on another machine than the edition's" if added_on
                     else ""))
     scripts = Table("The edition's scripts, one after the other",
-                    ["result", "seconds", "outcome", "commit"], list(rows.values()),
-                    formats=["", ".0f", "", ""], note=note + ".")
+                    ["result", "seconds", "outcome", "load (median)", "load (max)", "commit"],
+                    list(rows.values()), formats=["", ".0f", "", ".1f", ".1f", ""],
+                    note=note + f". Load: the 1-minute load average sampled every "
+                    f"{LOAD_SAMPLE_S} s while the script ran; a script above {LOAD_LIMIT} "
+                    "ran again.")
     save_results("edition", {"results": names, "engine_commit": engine_commit, "added": added,
                              "added_on": added_on}, [machine, scripts], rounds=args.rounds)
     failed = [r[0] for r in rows.values() if str(r[2]).startswith("failed")]
