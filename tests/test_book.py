@@ -376,7 +376,7 @@ MEASUREMENT = re.compile(
     r"(?<![\w.$^])\d[\d,]*(?:\.\d+)?(?:\s*[–-]\s*\d[\d,]*(?:\.\d+)?)?\s?"
     r"(?:ms|µs|us|ns|s|seconds?|minutes?|tok/s|tokens/s|[GMK]i?B/s|[GMK]i?B|×(?!\s?\d)|x|%)"
     r"(?![\w/])")
-RESULT_DIRECTIVE = re.compile(r"\{\{#result\s[^}]*\}\}")
+RESULT_DIRECTIVE = re.compile(r"\{\{#(?:result|ratio)\s[^}]*\}\}")
 INLINE_CODE = re.compile(r"`[^`]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 # Not measurements: sizes and counts that follow from a model's shape, a format or the
@@ -423,7 +423,7 @@ def hand_typed_measurements(path: Path) -> list[str]:
 
 
 def test_prose_reads_every_measured_number_from_a_result():
-    """A number with a unit in prose is a {{#result}} directive (tools/book_results.py),
+    """A number with a unit in prose is a {{#result}} or {{#ratio}} (tools/book_results.py),
     read from the result its table shows, or a constant listed above."""
     found = [hit for path in chapter_files() if path.name not in NOT_YET_READ_FROM_RESULTS
              for hit in hand_typed_measurements(path)]
@@ -450,6 +450,142 @@ def test_a_result_directive_reads_its_table_and_fails_closed():
                 "r 1 tok/s policy=static :.2q"):
         with pytest.raises(book_results.ResultError, match=re.escape("ch.md: {{#result " + bad)):
             book_results.substitute("{{#result " + bad + "}}", "ch.md", cache)
+
+
+def test_a_ratio_directive_divides_two_results_and_fails_closed():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book_results
+
+    table = {"title": "t", "headers": ["policy", "n", "tok/s"],
+             "rows": [["static", 1, 10.0], ["continuous", 2, 25.0], ["paged", 0, None]]}
+    cache = {"r": {"environment": {}, "tables": [table]},
+             "s": {"environment": {}, "tables": [{**table, "rows": [["static", 4, 5.0]]}]}}
+    text = ('{{#ratio r 1 tok/s policy=continuous / r 1 tok/s policy=static}}× and '
+            '{{#ratio r 1 "tok/s" max / s 1 "tok/s" policy=static :.1f}}, '
+            '{{#ratio r 1 n n>0 median / r 1 tok/s policy=static 1/x :.0f}}')
+    assert book_results.substitute(text, "ch.md", cache) == "2.50× and 5.0, 15"
+    directives = list(book_results.DIRECTIVE.finditer(text))
+    assert [book_results.files_read(m) for m in directives] == [["r", "r"], ["r", "s"], ["r", "r"]]
+    for bad in ("r 1 tok/s policy=static", "r 1 n policy=static / r 1 n policy=paged",
+                "r 1 tok/s / r 1 n policy=static", "r 1 tok/s policy=paged / r 1 n policy=static",
+                "r 1 n range / r 1 n policy=static", "r 1 n policy=static :.1f / r 1 n n=2",
+                "r 1 n n=1 / r 1 n n=2 / r 1 n n=2", "q 1 n / r 1 n n=1", "r 1 n n=1 / r 1 n",
+                "r 1 n n=1 / r 1 n n=0 1/x", "r 1 n n=1 / r 1 n n=2 :.2q"):
+        with pytest.raises(book_results.ResultError, match=re.escape("ch.md: {{#ratio " + bad)):
+            book_results.substitute("{{#ratio " + bad + "}}", "ch.md", cache)
+
+
+# Measurements said in words. "About half the time", "3 times faster" or "an order of
+# magnitude" is a measurement as much as "12.5 ms" is, and goes stale the same way when
+# the benchmark is rerun, but MEASUREMENT (a number with a unit) cannot see it. These are
+# the phrasings prose uses for them, matched case-insensitively, across line breaks, in
+# everything a reader sees (paragraphs, tables, headings, folded answers; not code). A
+# number in them is typed digits (or a number word before "times"): a {{#result}} or
+# {{#ratio}} in its place reads as VALUE, so "{{#ratio ...}}× faster" passes and
+# "3× faster" does not. Words with no number ("twice as fast") always count: say the
+# ratio with a {{#ratio}} instead.
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+TIMES = r"(?:faster|slower|more|less|fewer|as|the|higher|lower|longer|shorter)"
+MEASUREMENT_WORDS = [
+    rf"(?:{NUMBER}|two|three|four|five|six|seven|eight|nine|ten|several) times {TIMES}",
+    r"tens of times",
+    rf"(?:about|roughly|nearly|almost|around|approximately|over|under) (?:half|a third"
+    rf"|a quarter|two thirds|three quarters|twice|double|triple|{NUMBER}\s?%"
+    rf"|{NUMBER}\s?[×x](?!\s?\d))",
+    r"(?:half|a third|a quarter|two thirds|three quarters) (?:of the time|the time|as fast"
+    r"|as slow|more|less|faster|slower)",
+    r"idle (?:for )?(?:half|a third|a quarter)",
+    rf"from about {NUMBER}",
+    rf"(?:about|around|roughly|approximately|nearly|almost) {NUMBER}\s?(?:ms|µs|us|ns|s"
+    r"|seconds?|tok/s|tokens/s|[GMK]B/s|[GT]FLOP/s|[GMK]i?B)",
+    rf"{NUMBER}\s?[×x] {TIMES}",
+    r"twice as (?:fast|slow|many|much|long)",
+    r"(?:an|one|two|three) orders? of magnitude",
+]
+WORDS_PATTERNS = [  # a space in a phrase is any whitespace: a phrase may span a line break
+    re.compile(r"(?<![\w.])(?:" + p.replace(" ", r"\s+") + r")(?![\w/])", re.IGNORECASE)
+    for p in MEASUREMENT_WORDS]
+ANY_DIRECTIVE = re.compile(r"\{\{#[^}]*\}\}")
+# Phrases that match but say no measurement: (chapter, the exact phrase around the match,
+# why). Each must be in its chapter and match, or the test says it is stale.
+NOT_MEASUREMENTS: list[tuple[str, str, str]] = [
+    ("model.md", "about half a gigabyte", "134.5 M parameters × 4 bytes (538 MB)"),
+    ("moe.md", "about 17 GB of weights", "Qwen3-30B-A3B's size in 4 bits (CONSTANTS)"),
+    ("moe.md", "about 29 GB in float16", "Qwen1.5-MoE-A2.7B's 14 B parameters × 2 bytes"),
+    ("performance.md", "in half the time of", "a goal's threshold, not a measurement"),
+    ("serving.md", "about a third disconnect early", "test_server.py's design: 32 streams"),
+    ("tensor-parallel.md", "reads about a quarter of the bytes", "4 bits of bfloat16's 16"),
+    ("week3-day3.md", "about 45 KiB per token", "2 × 30 × 3 × 64 × 4 bytes"),
+    ("week3-day4.md", "one core idle a third of the time", "three items on two cores"),
+    ("week3-day5.md", "skips about half of the score matrix", "the triangle above the diagonal"),
+    ("week3-day5.md", "about a quarter more (query, key) pairs", "four chunks of 512 rows"),
+]
+
+
+def words_prose(text: str) -> str:
+    """A chapter as a reader sees it, line for line: code blocks, inline code and link
+    targets blanked, every {{#...}} directive read as VALUE."""
+    text = ANY_DIRECTIVE.sub(lambda m: " VALUE " + "\n" * m[0].count("\n"), text)
+    lines, fence = [], None
+    for line in text.splitlines():
+        marker = re.match(r"[>\s]*(```+|~~~+)", line)
+        if fence and marker and marker[1].startswith(fence):
+            fence = None  # the closing fence
+        elif marker and not fence:
+            fence = marker[1]
+        if fence or marker:
+            lines.append("")
+            continue
+        lines.append(LINK_TARGET.sub(" ", INLINE_CODE.sub(" ", line)))
+    return "\n".join(lines)
+
+
+def phrase_pattern(phrase: str) -> re.Pattern[str]:
+    """``phrase`` as written, any whitespace between its words, in any case."""
+    return re.compile(r"\s+".join(map(re.escape, phrase.split())), re.IGNORECASE)
+
+
+def measurement_words(text: str, allowed: list[str] | None = None) -> list[tuple[int, str]]:
+    """(line, phrase) of every measurement said in words in a chapter's ``text``, outside
+    the ``allowed`` phrases; overlapping phrases ("about half" in "about half the time")
+    count once."""
+    prose = words_prose(text)
+    for phrase in allowed or []:
+        prose = phrase_pattern(phrase).sub(lambda m: "\n" * m[0].count("\n"), prose)
+    spans: list[list[int]] = []
+    for start, end in sorted(m.span() for p in WORDS_PATTERNS for m in p.finditer(prose)):
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(prose.count("\n", 0, a) + 1, " ".join(prose[a:b].split())) for a, b in spans]
+
+
+def test_measurements_in_words_are_caught():
+    text = ("It idles about half the time,\nand the kernel is 3 times\nfaster.\n"
+            "```text\n3× faster\n```\n"
+            "Now {{#ratio r 1 ms a=1 / r 1 ms a=2 :.1f}}× faster, {{#result r 1 x}} times more,"
+            " `2x faster`.\nIt is Twice as fast, about {{#result r 1 ms}} ms or ~2x.\n")
+    assert measurement_words(text) == [(1, "about half the time"), (2, "3 times faster"),
+                                       (8, "Twice as fast")]
+    assert measurement_words(text, ["idles about half the time,"]) == [
+        (2, "3 times faster"), (8, "Twice as fast")]
+
+
+def test_prose_says_no_measurement_in_words():
+    """A measurement in words ("about half the time", "3× faster") is a {{#result}} or a
+    {{#ratio}} with its unit, or listed in NOT_MEASUREMENTS with the reason it is none."""
+    found, stale = [], []
+    for path in chapter_files():
+        text = path.read_text(encoding="utf-8")
+        allowed = [phrase for name, phrase, _ in NOT_MEASUREMENTS if name == path.name]
+        found += [f"{path.name}:{line}: {phrase}"
+                  for line, phrase in measurement_words(text, allowed)]
+        stale += [f"{path.name}: {phrase!r}" for phrase in allowed
+                  if not measurement_words(phrase) or not phrase_pattern(phrase).search(
+                      words_prose(text))]
+    assert not found, "measurements in words:\n" + "\n".join(found)
+    assert not stale, "NOT_MEASUREMENTS: not in the chapter, or no match:\n" + "\n".join(stale)
 
 
 def test_chapters_with_tasks_keep_the_course_order():

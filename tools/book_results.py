@@ -16,9 +16,17 @@ A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *N | /N] [AGG]
 - ``:FORMAT``: a Python format spec (``:.1f``), ``:.3g`` if none.
 
 ``{{#result FILE env KEY}}`` reads the result's environment (``git_commit``, ``date``...).
+
+``{{#ratio A / B [:FORMAT]}}`` is a ratio of two measurements, where ``A`` and ``B`` are
+each the arguments of a ``#result`` that stands for one number (one row, or ``min``,
+``max`` or ``median``; no format of its own): ``{{#ratio bench_x 1 ms impl=naive / bench_x
+1 ms impl=fused :.1f}}×`` says how many times faster the fused kernel is. ``:FORMAT``
+formats the ratio, ``:.2f`` if none.
+
 Anything that does not resolve (a missing file, table, column or row, an empty cell, two
-rows where one is expected) fails the build with the chapter and the directive, so prose
-cannot drift from its table silently: rerun the benchmark and the sentence follows.
+rows where one is expected, a zero denominator) fails the build with the chapter and the
+directive, so prose cannot drift from its table silently: rerun the benchmark and the
+sentence follows.
 
 Standard library only, so any Python 3 runs it.
 
@@ -34,6 +42,7 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +51,7 @@ from book_tasks import run_preprocessor  # mdBook's protocol, as for the tasks
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results"
 BOOK_SRC = Path(__file__).resolve().parents[1] / "book" / "src"
 INCLUDED_TABLE = re.compile(r"\{\{#include\s+[./]*benchmark_results/(\w+)\.md")
-DIRECTIVE = re.compile(r"\{\{#result\s+(?P<args>[^}]*)\}\}")
+DIRECTIVE = re.compile(r"\{\{#(?P<kind>result|ratio)\s+(?P<args>[^}]*)\}\}")
 TRANSFORM = re.compile(r"^(1/x|[*/][0-9.]+(?:e[0-9]+)?)$")  # 1/x, *100, /1e6
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
     "min": min, "max": max, "median": statistics.median}
@@ -110,43 +119,119 @@ def values(table: dict[str, Any], header: str, where: list[str]) -> list[Any]:
     return [r[i] for r in rows]
 
 
-def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
-    """The text a directive's arguments stand for."""
-    words = shlex.split(args)
+@dataclass
+class Query:
+    """A directive's arguments: which cells of which table, and what becomes of them."""
+
+    name: str
+    table: str
+    header: str
+    where: list[str]
+    transform: str | None
+    aggregate: str | None
+
+
+def split_format(words: list[str], default: str) -> tuple[list[str], str]:
+    """The words before a trailing ``:FORMAT``, and the format (``default`` if none)."""
+    if len(words) > 3 and words[-1].startswith(":"):
+        return words[:-1], words[-1]
+    return words, default
+
+
+def parse(words: list[str]) -> Query:
     if len(words) < 3:
         raise ResultError("needs FILE TABLE COLUMN (or FILE env KEY)")
-    name, table_id, header, *rest = words
-    result = load(name, cache)
-    if table_id == "env":
-        if header not in result["environment"]:
-            raise ResultError(f"no environment key {header!r}")
-        return str(result["environment"][header])
-    spec = rest.pop() if rest and rest[-1].startswith(":") else ":.3g"
+    name, table, header, *rest = words
     aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range") else None
     transform = rest.pop() if rest and TRANSFORM.match(rest[-1]) else None
     if not all(FILTER.match(w) for w in rest):
-        raise ResultError(f"not a filter, transform, aggregate or format: {rest}")
-    cells = values(find_table(result, table_id), header, rest)
-    if aggregate is None and len(cells) != 1:
+        raise ResultError(f"not a filter, transform or aggregate (a format comes last): {rest}")
+    return Query(name, table, header, rest, transform, aggregate)
+
+
+def selected(query: Query, cache: dict[str, dict[str, Any]]) -> list[Any]:
+    """The query's cells: exactly one unless it aggregates."""
+    table = find_table(load(query.name, cache), query.table)
+    cells = values(table, query.header, query.where)
+    if query.aggregate is None and len(cells) != 1:
         raise ResultError(f"{len(cells)} rows pass the filters; add filters or an aggregate")
-    if aggregate is None and isinstance(cells[0], str):
-        return cells[0]  # a label ("yes", "16/16")
-    numbers = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
-    if not numbers:
+    return cells
+
+
+def numbers(query: Query, cells: list[Any]) -> list[float]:
+    """The numbers among ``cells``, transformed."""
+    found = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    if not found:
         raise ResultError(f"no number in the selected cells {cells}")
-    if transform:
-        numbers = [apply(transform, v) for v in numbers]
-    if aggregate == "range":
-        return f"{min(numbers):{spec[1:]}}–{max(numbers):{spec[1:]}}"
-    value = AGGREGATES[aggregate](numbers) if aggregate else numbers[0]
-    return f"{value:{spec[1:]}}"
+    return [apply(query.transform, v) for v in found] if query.transform else found
+
+
+def combine(query: Query, found: list[float]) -> float:
+    """The query's aggregate of ``found``, or its one number."""
+    return AGGREGATES[query.aggregate](found) if query.aggregate else found[0]
+
+
+def number(query: Query, cache: dict[str, dict[str, Any]]) -> float:
+    """The one number a query stands for: its row's, or its aggregate (not a range)."""
+    if query.aggregate == "range":
+        raise ResultError("a range is two numbers, not one")
+    return combine(query, numbers(query, selected(query, cache)))
+
+
+def environment(words: list[str], cache: dict[str, dict[str, Any]]) -> str:
+    """``FILE env KEY``: a value of the result's environment."""
+    if len(words) != 3:
+        raise ResultError("needs FILE env KEY")
+    env = load(words[0], cache)["environment"]
+    if words[2] not in env:
+        raise ResultError(f"no environment key {words[2]!r}")
+    return str(env[words[2]])
+
+
+def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
+    """The text a ``{{#result}}``'s arguments stand for."""
+    words, spec = split_format(shlex.split(args), ":.3g")
+    if len(words) > 1 and words[1] == "env":
+        return environment(words, cache)
+    query = parse(words)
+    cells = selected(query, cache)
+    if query.aggregate is None and isinstance(cells[0], str):
+        return cells[0]  # a label ("yes", "16/16")
+    found = numbers(query, cells)
+    if query.aggregate == "range":
+        return f"{min(found):{spec[1:]}}–{max(found):{spec[1:]}}"
+    return f"{combine(query, found):{spec[1:]}}"
+
+
+def operands(words: list[str]) -> list[list[str]]:
+    """A ``{{#ratio}}``'s words split at its ``/``: the numerator's and the denominator's."""
+    if words.count("/") != 1:
+        raise ResultError("needs A / B: two result directives' arguments around one ' / '")
+    i = words.index("/")
+    return [words[:i], words[i + 1:]]
+
+
+def ratio(args: str, cache: dict[str, dict[str, Any]]) -> str:
+    """The text a ``{{#ratio A / B}}`` stands for: A's number over B's."""
+    words, spec = split_format(shlex.split(args), ":.2f")
+    numerator, denominator = (number(parse(w), cache) for w in operands(words))
+    if denominator == 0:
+        raise ResultError("the denominator is zero")
+    return f"{numerator / denominator:{spec[1:]}}"
+
+
+RESOLVERS: dict[str, Callable[[str, dict[str, dict[str, Any]]], str]] = {
+    "result": resolve, "ratio": ratio}
 
 
 def apply(transform: str, value: float) -> float:
-    if transform == "1/x":
-        return 1 / value
-    factor = float(transform[1:])
-    return value * factor if transform[0] == "*" else value / factor
+    """``1/x``, ``*N`` or ``/N`` of ``value``."""
+    factor = 1.0 if transform == "1/x" else float(transform[1:])
+    if transform[0] == "*":
+        return value * factor
+    if (value if transform == "1/x" else factor) == 0:
+        raise ResultError(f"{transform} of {value}: a division by zero")
+    return 1 / value if transform == "1/x" else value / factor
 
 
 def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> str:
@@ -154,11 +239,20 @@ def substitute(content: str, where: str, cache: dict[str, dict[str, Any]]) -> st
 
     def value(m: re.Match[str]) -> str:
         try:
-            return resolve(m["args"], cache)
+            return RESOLVERS[m["kind"]](m["args"], cache)
         except ValueError as e:  # ResultError, or a format spec Python does not know
             raise ResultError(f"{where}: {m[0]}: {e}") from None
 
     return DIRECTIVE.sub(value, content)
+
+
+def files_read(directive: re.Match[str]) -> list[str]:
+    """The results a directive reads: a ``#ratio``'s two operands' files, a ``#result``'s."""
+    words = shlex.split(directive["args"])
+    if directive["kind"] == "result":
+        return words[:1]
+    starts = [0] + [i + 1 for i, w in enumerate(words) if w == "/"]  # malformed: the build says
+    return [words[i] for i in starts if i < len(words)]
 
 
 def cited_results(src: Path = BOOK_SRC) -> list[str]:
@@ -168,7 +262,7 @@ def cited_results(src: Path = BOOK_SRC) -> list[str]:
     for chapter in src.glob("*.md"):
         text = chapter.read_text(encoding="utf-8")
         names |= set(INCLUDED_TABLE.findall(text))
-        names |= {shlex.split(m["args"])[0] for m in DIRECTIVE.finditer(text)}
+        names |= {name for m in DIRECTIVE.finditer(text) for name in files_read(m)}
     return sorted(names - {"edition"})  # the edition's own record: not a script's result
 
 
