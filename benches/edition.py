@@ -29,10 +29,13 @@ edition's table names it and its commit, and its machine where that is not the e
 (its ratios stand on their own machine too; its absolute numbers are that machine's).
 ``bench_roofline`` places llama.cpp beside the engine where ``--llama-bench`` is given.
 
-Other work on the machine skews a script's numbers, so the 1-minute load average is
-sampled while each script runs; a script whose median load is above ``LOAD_LIMIT`` (the
-cores, plus one: more runnable threads than the script's own) runs again, once, and the
-table records the load of the run it keeps.
+Other work on the machine skews a script's numbers. While each script runs, the edition
+samples the 1-minute load average (recorded), and on Linux measures the CPU time the
+machine spent on anything but the script and its own processes (``/proc/stat``'s busy
+time, the hypervisor's steal included, less the script's: a script that loads the machine
+on purpose, such as ``bench_blas_threads``' busy neighbour, is not "other work"). A script
+beside more than ``OTHER_WORK_LIMIT`` cores of other work on average (elsewhere: a median
+load above the cores plus one) runs again, once, and the table keeps the run it reports.
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import NOT_THIS_MACHINE, REPO_ROOT, Table, copy_bandwidth, environment, save_results
@@ -56,7 +61,8 @@ from book_results import cited_results  # noqa: E402
 NEEDS_LLAMA_BENCH = "bench_vs_llama_cpp"
 TAKES_LLAMA_BENCH = "bench_roofline"  # runs without it, its llama.cpp points left out
 # Linux /proc/cpuinfo flags (x86 "flags", Arm "Features") that decide which kernels run.
-LOAD_LIMIT = (os.cpu_count() or 1) + 1
+OTHER_WORK_LIMIT = 0.5  # cores, on average over the script's run
+LOAD_LIMIT = (os.cpu_count() or 1) + 1  # where the other work cannot be measured
 LOAD_SAMPLE_S = 10
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_tile", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
@@ -97,8 +103,8 @@ def tree_is_clean() -> bool:
 
 
 def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]:
-    """Run ``benches/<name>.py``, again once if the machine was busy; (name, seconds,
-    outcome, median load, max load) for the edition's table."""
+    """Run ``benches/<name>.py``, again once if other work was busy beside it; (name,
+    seconds, outcome, median load, other work in cores) for the edition's table."""
     command = [sys.executable, str(REPO_ROOT / "benches" / f"{name}.py"), "--rounds", str(rounds)]
     if name == NEEDS_LLAMA_BENCH and llama_bench is None:
         return [name, None, "not run (no --llama-bench): its own machine and commit", None, None]
@@ -107,24 +113,59 @@ def run_script(name: str, rounds: int, llama_bench: Path | None) -> list[object]
     for attempt in (1, 2):
         print(f"edition: {' '.join(command[1:])}", flush=True)
         start = time.perf_counter()
-        returncode, loads = run_sampling_load(command)
+        run = run_watching_the_machine(command)
         seconds = time.perf_counter() - start
-        load = statistics.median(loads)
-        if returncode != 0 or load <= LOAD_LIMIT or attempt == 2:
+        if run.returncode != 0 or not run.busy or attempt == 2:
             break
-        print(f"edition: {name} ran at load {load:.1f} (limit {LOAD_LIMIT}): again", flush=True)
-    if returncode == NOT_THIS_MACHINE:
+        print(f"edition: {name} ran beside other work ({run.describe()}): again", flush=True)
+    if run.returncode == NOT_THIS_MACHINE:
         outcome = "not this machine's (the Linux CPU path): its own edition"
     else:
-        outcome = "measured" if returncode == 0 else f"failed ({returncode})"
+        outcome = "measured" if run.returncode == 0 else f"failed ({run.returncode})"
     if attempt == 2:
-        outcome += ", second run" + (" (still above the load limit)" if load > LOAD_LIMIT else "")
-    return [name, seconds, outcome, load, max(loads)]
+        outcome += ", second run" + (" (still beside other work)" if run.busy else "")
+    return [name, seconds, outcome, run.load, run.other_cores]
 
 
-def run_sampling_load(command: list[str]) -> tuple[int, list[float]]:
-    """Run ``command``; its return code and the 1-minute load average every
-    ``LOAD_SAMPLE_S`` seconds while it ran (at least one sample, taken at its end)."""
+@dataclass
+class WatchedRun:
+    """A script's return code, the median 1-minute load while it ran, and the cores other
+    work used on average (None where ``/proc/stat`` does not exist)."""
+
+    returncode: int
+    load: float
+    other_cores: float | None
+
+    @property
+    def busy(self) -> bool:
+        if self.other_cores is not None:
+            return self.other_cores > OTHER_WORK_LIMIT
+        return self.load > LOAD_LIMIT
+
+    def describe(self) -> str:
+        if self.other_cores is not None:
+            return f"{self.other_cores:.2f} cores of other work, limit {OTHER_WORK_LIMIT}"
+        return f"load {self.load:.1f}, limit {LOAD_LIMIT}"
+
+
+def busy_cpu_seconds() -> float | None:
+    """The machine's busy CPU time so far (every core, steal included), or None off Linux."""
+    stat = Path("/proc/stat")
+    if not stat.exists():
+        return None
+    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_watching_the_machine(command: list[str]) -> WatchedRun:
+    """Run ``command``, sampling the 1-minute load every ``LOAD_SAMPLE_S`` seconds and
+    measuring the CPU time spent on anything but it."""
     loads: list[float] = []
     done = threading.Event()
 
@@ -133,11 +174,17 @@ def run_sampling_load(command: list[str]) -> tuple[int, list[float]]:
             loads.append(os.getloadavg()[0])
 
     sampler = threading.Thread(target=sample, daemon=True)
+    busy0, own0, start = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
     sampler.start()
     returncode = subprocess.run(command, cwd=REPO_ROOT).returncode
     done.set()
     sampler.join()
-    return returncode, loads or [os.getloadavg()[0]]
+    busy1, wall = busy_cpu_seconds(), time.perf_counter() - start
+    other = None
+    if busy0 is not None and busy1 is not None:
+        own = children_cpu_seconds() - own0
+        other = max(0.0, busy1 - busy0 - own) / wall
+    return WatchedRun(returncode, statistics.median(loads or [os.getloadavg()[0]]), other)
 
 
 def git(*args: str) -> subprocess.CompletedProcess:
@@ -224,11 +271,13 @@ def main() -> None:
                  + (" and, where named, on another machine than the edition's" if added_on
                     else ""))
     scripts = Table("The edition's scripts, one after the other",
-                    ["result", "seconds", "outcome", "load (median)", "load (max)", "commit"],
-                    list(rows.values()), formats=["", ".0f", "", ".1f", ".1f", ""],
-                    note=note + f". Load: the 1-minute load average sampled every "
-                    f"{LOAD_SAMPLE_S} s while the script ran; a script above {LOAD_LIMIT} "
-                    "ran again.")
+                    ["result", "seconds", "outcome", "load (median)", "other work (cores)",
+                     "commit"],
+                    list(rows.values()), formats=["", ".0f", "", ".1f", ".2f", ""],
+                    note=note + f". Load: the 1-minute load average, sampled every "
+                    f"{LOAD_SAMPLE_S} s while the script ran (its own threads count); other "
+                    "work: the CPU time the machine spent on anything but the script, in "
+                    f"cores on average; a script beside more than {OTHER_WORK_LIMIT} ran again.")
     save_results("edition", {"results": names, "engine_commit": engine_commit, "added": added,
                              "added_on": added_on}, [machine, scripts], rounds=args.rounds)
     failed = [r[0] for r in rows.values() if str(r[2]).startswith("failed")]
