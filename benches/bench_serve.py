@@ -73,7 +73,8 @@ def start(kind: str, folder: Path, port: int) -> subprocess.Popen:
     python = sys.executable
     if kind == "tiny-llm":
         cmd = [python, "-m", "tiny_llm.cli", "serve", "--model", str(folder), "--port",
-               str(port), "--served-model-name", "m", "--max-num-seqs", "32"]
+               str(port), "--served-model-name", "m", "--max-num-seqs", "32",
+               "--dtype", "float32"]  # as mlx-lm's server holds the folder's arrays
     else:
         cmd = [python, "-c", "import sys, tiny_llm; from mlx_lm.server import main; "
                "sys.argv = ['mlx_lm.server'] + sys.argv[1:]; main()",

@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tiny_llm.kernels.cpu_kernels import kernels_available
+
 from common import REPO_ROOT, Table, bench_parser, save_results, spread
 
 SIZES = (1, 2, 3)
@@ -226,14 +228,16 @@ def measured_table(rounds: list[dict], hidden: int, layers: int) -> Table:
                 mlx = median_of(rounds, ("mlx_lm", size), "step")
                 same = all(r["mlx_lm", size]["tokens"] == r[kind, size]["tokens"] for r in rounds)
                 equal = "yes" if same else "no"
-            layers_run = "fused" if kind == "ours" and size == 1 else "one by one"
+            fused = kind == "ours" and size == 1 and kernels_available()  # none on a GPU
+            layers_run = "fused" if fused else "one by one"
             compute = max(0.0, step - comm)  # 0: the all-reduces alone outlasted the step
             rows.append([size, layers_run, batch, step * 1e3, comm * 1e3, compute * 1e3,
                          min(100.0, comm / step * 100), ring * 1e3, received / 1e3, batch / step,
                          None if mlx is None else 1 / mlx,
                          None if mlx is None else mlx / step, equal])
     return Table(
-        "Decode steps split over ranks on this machine (one kernel thread per rank)",
+        "Decode steps split over ranks on this machine "
+        + ("(one kernel thread per rank)" if kernels_available() else "(MLX's operations)"),
         ["ranks", "decode layers", "batch", "step ms", "all-reduces ms", "compute ms",
          "communication %", "ring all_sum ms", "KB received per rank", "tok/s",
          "mlx-lm tok/s", "ours / mlx-lm", "same tokens as mlx-lm"],

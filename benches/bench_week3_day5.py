@@ -121,6 +121,7 @@ from tiny_llm.day5_paged_flash import (
     TiledWalkAttention,
     paged_flash_reference,
 )
+from tiny_llm.kernels.cpu_kernels import kernels_available
 
 import mlx.core as mx
 import numpy as np
@@ -522,7 +523,9 @@ class EngineRun:
             start = time.perf_counter()
             begin(step)
             t["begin"] += time.perf_counter() - start
-            self.decode_rows = step.decode_rows if engine.config.cpu_kernels else None
+            # The engine's step takes the CPU kernels only where they exist (not on a GPU).
+            uses_kernels = engine.config.cpu_kernels and kernels_available()
+            self.decode_rows = step.decode_rows if uses_kernels else None
 
         engine.scheduler.schedule = timed_schedule
         engine.kv.layout = timed_layout

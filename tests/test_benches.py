@@ -43,12 +43,15 @@ def run_quick(name: str, results: Path, env: dict[str, str] | None = None,
 
 def check_result(name: str, results: Path, proc: subprocess.CompletedProcess) -> dict:
     """The run succeeded and wrote ``<name>_quick.json`` with tables of rows, and the ``.md``
-    rendered from it; returns the JSON."""
+    rendered from it; returns the JSON. A script of the Linux CPU path stops at once on a
+    Mac's GPU (its own exit status): that is a skip there, and a failure anywhere else."""
+    common = common_module()
+    if proc.returncode == common.NOT_THIS_MACHINE and sys.platform == "darwin":
+        pytest.skip(f"benches/{name}.py measures the Linux CPU path: {proc.stderr.strip()}")
     assert proc.returncode == 0, (f"`python benches/{name}.py --quick` failed (exit "
                                   f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     result = json.loads((results / f"{name}_quick.json").read_text())
     assert result["tables"] and all(t["rows"] for t in result["tables"]), result["tables"]
-    common = common_module()
     assert (results / f"{name}_quick.md").read_text() == common.render_markdown(result)
     return result
 
