@@ -512,13 +512,10 @@ NOT_MEASUREMENTS: list[tuple[str, str, str]] = [
     ("model.md", "about half a gigabyte", "134.5 M parameters × 4 bytes (538 MB)"),
     ("moe.md", "about 17 GB of weights", "Qwen3-30B-A3B's size in 4 bits (CONSTANTS)"),
     ("moe.md", "about 29 GB in float16", "Qwen1.5-MoE-A2.7B's 14 B parameters × 2 bytes"),
-    ("performance.md", "in half the time of", "a goal's threshold, not a measurement"),
     ("serving.md", "about a third disconnect early", "test_server.py's design: 32 streams"),
     ("tensor-parallel.md", "reads about a quarter of the bytes", "4 bits of bfloat16's 16"),
     ("week3-day3.md", "about 45 KiB per token", "2 × 30 × 3 × 64 × 4 bytes"),
-    ("week3-day4.md", "one core idle a third of the time", "three items on two cores"),
     ("week3-day5.md", "skips about half of the score matrix", "the triangle above the diagonal"),
-    ("week3-day5.md", "about a quarter more (query, key) pairs", "four chunks of 512 rows"),
 ]
 
 

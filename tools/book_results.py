@@ -11,8 +11,9 @@ A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *N | /N] [AGG]
   ``>=`` (a number compares numerically);
 - ``1/x``, ``*N`` or ``/N``: a transform of each value (a speedup from a time ratio, a
   percent with ``*100``, seconds from microseconds with ``/1e6``);
-- ``AGG``: ``min``, ``max``, ``median``, or ``range`` (written ``low–high``) over the rows
-  that pass the filters; without one, exactly one row must pass;
+- ``AGG``: ``min``, ``max``, ``median``, ``count`` (how many rows pass), or ``range``
+  (written ``low–high``) over the rows that pass the filters; without one, exactly one row
+  must pass;
 - ``:FORMAT``: a Python format spec (``:.1f``), ``:.3g`` if none.
 
 ``{{#result FILE env KEY}}`` reads the result's environment (``git_commit``, ``date``...).
@@ -54,7 +55,7 @@ INCLUDED_TABLE = re.compile(r"\{\{#include\s+[./]*benchmark_results/(\w+)\.md")
 DIRECTIVE = re.compile(r"\{\{#(?P<kind>result|ratio)\s+(?P<args>[^}]*)\}\}")
 TRANSFORM = re.compile(r"^(1/x|[*/][0-9.]+(?:e[0-9]+)?)$")  # 1/x, *100, /1e6
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
-    "min": min, "max": max, "median": statistics.median}
+    "min": min, "max": max, "median": statistics.median, "count": len}
 
 
 class ResultError(ValueError):
