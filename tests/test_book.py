@@ -445,6 +445,12 @@ def test_a_result_directive_reads_its_table_and_fails_closed():
               '{{#result r 1 tok/s policy=static /4 :.2f}}, {{#result r 1 tok/s *1e1 range :.0f}}, '
               '{{#result r 1 tok/s /1e1 range :.1f}}')
     assert book_results.substitute(scaled, "ch.md", cache) == "12.50, 2.50, 100–250, 1.0–2.5"
+    counted = '{{#result r 1 n "n>=2" count}} of {{#result r 1 n count}}'
+    assert book_results.substitute(counted, "ch.md", cache) == "2 of 3"
+    machine = {"m": {"environment": {}, "tables": [
+        {"title": "t", "headers": ["", "value"], "rows": [["CPU", "Some CPU"], ["cores", 2]]}]}}
+    unnamed = "{{#result m 1 value =CPU}}, {{#result m 1 value =cores}} cores"
+    assert book_results.substitute(unnamed, "ch.md", machine) == "Some CPU, 2 cores"
     for bad in ("r 1 tok/s", "r 2 tok/s policy=static", "r 1 speed policy=static",
                 "r 1 tok/s policy=dynamic", "r 1 tok/s policy=paged", "r env branch", "q 1 n",
                 "r 1 tok/s policy=static :.2q"):

@@ -87,7 +87,7 @@ def column(table: dict[str, Any], header: str) -> int:
     return found[int(nth) - 1]
 
 
-FILTER = re.compile(r"^(?P<name>.+?)(?P<op>!=|>=|<=|=|<|>)(?P<value>.*)$")
+FILTER = re.compile(r"^(?P<name>.*?)(?P<op>!=|>=|<=|=|<|>)(?P<value>.*)$")
 COMPARE = {"=": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
            ">": lambda a, b: a > b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
 
