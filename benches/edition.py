@@ -159,6 +159,10 @@ def busy_cpu_seconds() -> float | None:
 
 
 def children_cpu_seconds() -> float:
+    """The CPU time of this process's children that were waited for, and theirs: every
+    script waits for the processes it starts (servers, ranks, a busy neighbour), so a
+    script's own work is all counted here; a process it left running would count as
+    other work."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 

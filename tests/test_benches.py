@@ -240,6 +240,15 @@ def test_the_edition_runs_a_script_again_when_the_machine_was_busy(monkeypatch):
     # only that it was measured on Linux, as a share of cores.
     assert (own.other_cores is not None) == Path("/proc/stat").exists()
     assert own.other_cores is None or 0 <= own.other_cores <= (os.cpu_count() or 1)
+    # Other work is the machine's busy time less the script's own, over the wall time:
+    # (14 - 2 - 8) / 5 s = 0.8 cores, whatever the script itself used.
+    clock = iter([100.0, 105.0])
+    monkeypatch.setattr(script, "busy_cpu_seconds", iter([2.0, 14.0]).__next__)
+    monkeypatch.setattr(script, "children_cpu_seconds", iter([1.0, 9.0]).__next__)
+    monkeypatch.setattr(script.time, "perf_counter", lambda: next(clock))
+    scripted = script.run_watching_the_machine([sys.executable, "-c", "pass"])
+    assert scripted.other_cores == pytest.approx(0.8) and scripted.busy
+    monkeypatch.undo()
     busy, quiet = script.WatchedRun(0, 1.0, 1.5), script.WatchedRun(0, 2.0, 0.1)
     runs = iter([busy, quiet])
     monkeypatch.setattr(script, "run_watching_the_machine", lambda command: next(runs))

@@ -11,9 +11,9 @@ A chapter writes ``{{#result FILE TABLE COLUMN [WHERE ...] [1/x | *N | /N] [AGG]
   ``>=`` (a number compares numerically);
 - ``1/x``, ``*N`` or ``/N``: a transform of each value (a speedup from a time ratio, a
   percent with ``*100``, seconds from microseconds with ``/1e6``);
-- ``AGG``: ``min``, ``max``, ``median``, ``count`` (how many rows pass), or ``range``
-  (written ``low–high``) over the rows that pass the filters; without one, exactly one row
-  must pass;
+- ``AGG``: ``min``, ``max``, ``median``, or ``range`` (written ``low–high``) over the rows
+  that pass the filters, or ``count``, how many rows pass (0 if none; not in a ratio);
+  without one, exactly one row must pass;
 - ``:FORMAT``: a Python format spec (``:.1f``), ``:.3g`` if none.
 
 ``{{#result FILE env KEY}}`` reads the result's environment (``git_commit``, ``date``...).
@@ -55,7 +55,7 @@ INCLUDED_TABLE = re.compile(r"\{\{#include\s+[./]*benchmark_results/(\w+)\.md")
 DIRECTIVE = re.compile(r"\{\{#(?P<kind>result|ratio)\s+(?P<args>[^}]*)\}\}")
 TRANSFORM = re.compile(r"^(1/x|[*/][0-9.]+(?:e[0-9]+)?)$")  # 1/x, *100, /1e6
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
-    "min": min, "max": max, "median": statistics.median, "count": len}
+    "min": min, "max": max, "median": statistics.median}
 
 
 class ResultError(ValueError):
@@ -104,9 +104,10 @@ def passes(cell: Any, op: str, value: str) -> bool:
     return COMPARE[op](str(cell), value)
 
 
-def values(table: dict[str, Any], header: str, where: list[str]) -> list[Any]:
+def values(table: dict[str, Any], header: str, where: list[str],
+           none_pass: bool = False) -> list[Any]:
     """The column's cells in the rows that pass every filter (``header=value``, or with
-    ``!=``, ``<``, ``>``, ``<=``, ``>=``)."""
+    ``!=``, ``<``, ``>``, ``<=``, ``>=``); no row passing is an error unless ``none_pass``."""
     rows = table["rows"]
     for condition in where:
         m = FILTER.match(condition)
@@ -114,7 +115,7 @@ def values(table: dict[str, Any], header: str, where: list[str]) -> list[Any]:
             raise ResultError(f"not a filter: {condition!r}")
         i = column(table, m["name"])
         rows = [r for r in rows if passes(r[i], m["op"], m["value"])]
-    if not rows:
+    if not rows and not none_pass:
         raise ResultError(f"no row where {' and '.join(where)}")
     i = column(table, header)
     return [r[i] for r in rows]
@@ -143,7 +144,7 @@ def parse(words: list[str]) -> Query:
     if len(words) < 3:
         raise ResultError("needs FILE TABLE COLUMN (or FILE env KEY)")
     name, table, header, *rest = words
-    aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range") else None
+    aggregate = rest.pop() if rest and rest[-1] in (*AGGREGATES, "range", "count") else None
     transform = rest.pop() if rest and TRANSFORM.match(rest[-1]) else None
     if not all(FILTER.match(w) for w in rest):
         raise ResultError(f"not a filter, transform or aggregate (a format comes last): {rest}")
@@ -174,8 +175,8 @@ def combine(query: Query, found: list[float]) -> float:
 
 def number(query: Query, cache: dict[str, dict[str, Any]]) -> float:
     """The one number a query stands for: its row's, or its aggregate (not a range)."""
-    if query.aggregate == "range":
-        raise ResultError("a range is two numbers, not one")
+    if query.aggregate in ("range", "count"):
+        raise ResultError(f"a {query.aggregate} is not a number to divide")
     return combine(query, numbers(query, selected(query, cache)))
 
 
@@ -195,6 +196,9 @@ def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
     if len(words) > 1 and words[1] == "env":
         return environment(words, cache)
     query = parse(words)
+    if query.aggregate == "count":  # rows, not numbers: none passing is 0
+        table = find_table(load(query.name, cache), query.table)
+        return str(len(values(table, query.header, query.where, none_pass=True)))
     cells = selected(query, cache)
     if query.aggregate is None and isinstance(cells[0], str):
         return cells[0]  # a label ("yes", "16/16")
