@@ -56,7 +56,7 @@ class EngineConfig:
     speculative: str = "off"  # "draft" (a smaller model) or "ngram" (prompt lookup)
     num_speculative_tokens: int | None = None  # a chain of this many drafts (default 4) ...
     speculative_token_tree: Any = None  # ... or a tree of them: paths of child ranks
-    speculative_max_batch: int = 16  # no drafts above this many running (tuned: see the book)
+    speculative_max_batch: int = 8  # no drafts above this many running (chosen: see the book)
     draft_model: Any = None  # "draft": a path or hub id, or a (Model, Tokenizer) pair
     cpu_kernels: bool = True  # the extension's CPU matmuls, norms, RoPE, SwiGLU; False: MLX ops
     int8_activations: bool = False  # quantized layers' decode rows in int8 (the CPU kernels)
