@@ -4,8 +4,8 @@ gathered matmul against a per-expert loop, expert load per layer, and dispatch's
 Models (random float32 weights, built here; the SmolLM2 tokenizer):
 
 - **tiny**: Qwen3-MoE, hidden 64, 2 layers, 8 experts of width 32, top-2;
-- **mid**: Qwen3-MoE, hidden 512, 8 layers, 32 experts of width 256, top-4 (about 110 M
-  parameters, 40 M active per token);
+- **mid**: Qwen3-MoE, hidden 512, 8 layers, 32 experts of width 256, top-4 (132 M
+  parameters with the tied embedding, 44 M of them used per token);
 - each against the **dense twin**: the same model with one SwiGLU MLP of width
   ``top_k x expert width`` in place of the experts: the same active parameters (and flops)
   per token, but all of them read every step.
