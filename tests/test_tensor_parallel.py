@@ -38,7 +38,7 @@ from tiny_llm.models.model import Attention
 from tiny_llm.sampling.params import SamplingParams
 from tiny_llm.tensor_parallel import check_tensor_parallel, shard_linear, shard_model, valid_sizes
 from tiny_llm.testing.models import make_repeater_model, make_tiny_model
-from tiny_llm.testing.ranks import LocalRanks, free_ports, launched_ranks
+from tiny_llm.testing.ranks import LocalRanks, RankPlace, free_ports, launched_ranks
 from tiny_llm.testing.runs import workload
 
 import mlx.core as mx
@@ -53,23 +53,10 @@ TINY = dict(num_attention_heads=8, num_key_value_heads=4, seed=3)  # 4 KV heads:
 OPTIONS = dict(num_pages=14, max_num_batched_tokens=32, max_num_seqs=8)  # chunks, preemption
 
 
-class FakeGroup:
-    """A rank's place without processes (sharding only reads rank and size)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def shards_of(n: int, **kw) -> list:
     models = [make_tiny_model(**kw) for _ in range(n)]
     for r, m in enumerate(models):
-        shard_model(m, FakeGroup(r, n))
+        shard_model(m, RankPlace(r, n))
     return models
 
 

@@ -767,29 +767,17 @@ def moe_dispatch() -> str:
 # Tensor parallelism: one decoder layer on two ranks
 
 
-class _Rank:
-    """A rank's place in a group, without processes (sharding reads only these two)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def tp_split() -> str:
     from tiny_llm.tensor_parallel import AllReduce, shard_model
     from tiny_llm.testing.models import make_tiny_model
+    from tiny_llm.testing.ranks import RankPlace
 
     size = 2
     whole = make_tiny_model(vocab_size=32, num_hidden_layers=1).model.layers[0]
     ranks = []
     for r in range(size):
         model = make_tiny_model(vocab_size=32, num_hidden_layers=1)  # the same weights
-        shard_model(model, _Rank(r, size))
+        shard_model(model, RankPlace(r, size))
         ranks.append(model.model.layers[0])
     assert all(isinstance(b.self_attn, AllReduce) and isinstance(b.mlp, AllReduce)
                for b in ranks), "a layer without its two all-reduces"

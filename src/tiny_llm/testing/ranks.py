@@ -1,7 +1,8 @@
 """Ranks on one machine, as ``mlx.launch -n N --backend ring`` starts them: one process per
 rank with ``MLX_RANK`` and a ring hostfile on 127.0.0.1, started here so that a test or a
 benchmark knows each rank's process (to read its output, stop it or kill it); and the ranks
-a running ``mlx.launch`` (or ``tiny-llm launch``) started, found by their environment."""
+a running ``mlx.launch`` (or ``tiny-llm launch``) started, found by their environment; and
+``RankPlace``, a rank's place in a group for sharding without processes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+class RankPlace:
+    """A rank's place in a group of ``size``, without processes: what sharding reads of
+    an ``mx.distributed`` group (its ``rank()`` and ``size()``)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
 
 
 def free_ports(n: int) -> list[int]:
