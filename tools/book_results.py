@@ -152,9 +152,9 @@ def parse(words: list[str]) -> Query:
 
 
 def selected(query: Query, cache: dict[str, dict[str, Any]]) -> list[Any]:
-    """The query's cells: exactly one unless it aggregates."""
+    """The query's cells: exactly one unless it aggregates (none, for a count)."""
     table = find_table(load(query.name, cache), query.table)
-    cells = values(table, query.header, query.where)
+    cells = values(table, query.header, query.where, none_pass=query.aggregate == "count")
     if query.aggregate is None and len(cells) != 1:
         raise ResultError(f"{len(cells)} rows pass the filters; add filters or an aggregate")
     return cells
@@ -196,10 +196,9 @@ def resolve(args: str, cache: dict[str, dict[str, Any]]) -> str:
     if len(words) > 1 and words[1] == "env":
         return environment(words, cache)
     query = parse(words)
-    if query.aggregate == "count":  # rows, not numbers: none passing is 0
-        table = find_table(load(query.name, cache), query.table)
-        return str(len(values(table, query.header, query.where, none_pass=True)))
     cells = selected(query, cache)
+    if query.aggregate == "count":  # rows, not numbers: none passing is 0
+        return str(len(cells))
     if query.aggregate is None and isinstance(cells[0], str):
         return cells[0]  # a label ("yes", "16/16")
     found = numbers(query, cells)
